@@ -1,0 +1,200 @@
+"""The unified GPU-worker-role state: one versioned, immutable snapshot of the cluster.
+
+Invariants (checked on every construction from a document and by ``tests/core/test_state.py``):
+- GPU, worker and allocation ids are unique; every worker's GPUs exist and sit on its node;
+  every GPU's allocation exists.
+- A GPU hosts at most one *active* worker (live and not ``idle``); asleep engines and
+  offloaded trainers (role ``idle``) may share GPUs with the active one.
+- Only ``base-train`` GPUs can be lent. A ``base-train`` GPU under an active engine is
+  lent; one under an active trainer is not.
+- Every worker's role is legal for its kind (see ``pearl.core.roles``).
+
+A state is never changed in place: ``replace`` returns the next version.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from enum import StrEnum
+from functools import cached_property
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from pearl.core.roles import (
+    LIVE_PHASES,
+    GpuSource,
+    Phase,
+    Role,
+    WorkerKind,
+    check_role,
+)
+
+NonNegFloat = Annotated[float, Field(ge=0.0)]
+NonNegInt = Annotated[int, Field(ge=0)]
+Id = Annotated[str, Field(min_length=1)]
+
+
+class Frozen(BaseModel):
+    """Base of every document model: immutable, unknown fields rejected."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Gpu(Frozen):
+    gpu_id: Id = Field(description="Unique id, conventionally NODE/INDEX.")
+    node: Id = Field(description="Host name of the node the GPU sits on.")
+    gpu_type: Id = Field(description="GPU type as named in the runtime profile, e.g. h100.")
+    source: GpuSource = Field(description="Where the GPU comes from.")
+    allocation_id: Id = Field(description="Slurm job id (or local id) that owns the GPU.")
+    lent: bool = Field(False, description="A base-train GPU currently lent to rollout.")
+
+
+class Worker(Frozen):
+    worker_id: Id = Field(description="Unique id of the engine instance or trainer group.")
+    kind: WorkerKind = Field(description="engine or trainer; never changes.")
+    node: Id = Field(description="Node all of the worker's GPUs sit on.")
+    gpu_ids: tuple[Id, ...] = Field(min_length=1, description="GPUs; their count is the TP degree.")
+    role: Role = Field(description="Current role; while switching, the role being switched to.")
+    phase: Phase = Field(description="Lifecycle phase.")
+    since_s: NonNegFloat = Field(0.0, description="Time the worker entered its phase.")
+    weights_version: NonNegInt = Field(0, description="Policy version of the loaded weights.")
+
+    @property
+    def tp(self) -> int:
+        return len(self.gpu_ids)
+
+    @property
+    def live(self) -> bool:
+        return self.phase in LIVE_PHASES
+
+    @property
+    def active(self) -> bool:
+        """Live and holding GPU memory (not asleep, not offloaded)."""
+        return self.live and self.role is not Role.IDLE
+
+
+class AllocationKind(StrEnum):
+    BASE = "base"  # the persistent base job: trainer and base rollout nodes
+    ELASTIC = "elastic"  # a preemptible allocation
+
+
+class AllocationStatus(StrEnum):
+    PENDING = "pending"  # submitted, waiting in the Slurm queue
+    GRANTED = "granted"  # running; its GPUs are usable
+    PREEMPTING = "preempting"  # Slurm sent the preemption signal; grace period running
+    ENDED = "ended"  # gone (preempted, time limit, released)
+
+
+class Allocation(Frozen):
+    allocation_id: Id = Field(description="Slurm job id (or local id).")
+    kind: AllocationKind = Field(description="base or elastic.")
+    status: AllocationStatus = Field(description="Where the allocation is in its life.")
+    gpu_type: Id | None = Field(None, description="GPU type requested, if any.")
+    num_gpus: NonNegInt = Field(0, description="GPUs requested or held.")
+    submitted_at_s: NonNegFloat | None = Field(None, description="Time of submission.")
+    granted_at_s: NonNegFloat | None = Field(None, description="Time the GPUs became usable.")
+    end_by_s: NonNegFloat | None = Field(
+        None, description="Time the GPUs must be free: preemption deadline or time limit."
+    )
+
+
+class BorrowWindow(Frozen):
+    gpu_ids: tuple[Id, ...] = Field(min_length=1, description="The trainer GPUs lent.")
+    lent_at_s: NonNegFloat = Field(description="When the lending started.")
+    return_by_s: NonNegFloat = Field(description="When the trainer needs its GPUs back.")
+
+
+class ClusterState(Frozen):
+    schema_version: Literal[1] = Field(1, description="Version of this document's schema.")
+    version: NonNegInt = Field(0, description="Increments with every applied change.")
+    time_s: NonNegFloat = Field(0.0, description="Time this snapshot describes.")
+    policy_version: NonNegInt = Field(0, description="The trainer's latest weights version.")
+    gpus: tuple[Gpu, ...] = ()
+    workers: tuple[Worker, ...] = ()
+    allocations: tuple[Allocation, ...] = ()
+    borrow: BorrowWindow | None = Field(None, description="Open borrow window, if any.")
+    last_pd_switch_s: NonNegFloat | None = Field(
+        None, description="When the PD configuration last changed (for the dwell time)."
+    )
+
+    @model_validator(mode="after")
+    def _check_invariants(self) -> ClusterState:
+        problems = state_problems(self)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    # Indexes are derived once per snapshot; snapshots are immutable.
+    @cached_property
+    def gpu_by_id(self) -> dict[str, Gpu]:
+        return {g.gpu_id: g for g in self.gpus}
+
+    @cached_property
+    def worker_by_id(self) -> dict[str, Worker]:
+        return {w.worker_id: w for w in self.workers}
+
+    @cached_property
+    def allocation_by_id(self) -> dict[str, Allocation]:
+        return {a.allocation_id: a for a in self.allocations}
+
+    def live_workers(self) -> tuple[Worker, ...]:
+        return tuple(w for w in self.workers if w.live)
+
+    def active_worker_on(self) -> dict[str, Worker]:
+        """GPU id -> the active worker on it."""
+        return {g: w for w in self.workers if w.active for g in w.gpu_ids}
+
+    def replace(self, **changes: Any) -> ClusterState:
+        """The next version of this state, validated."""
+        data = {name: getattr(self, name) for name in type(self).model_fields}
+        data.update(changes, version=self.version + 1)
+        return ClusterState.model_validate(data)
+
+
+def state_problems(state: ClusterState) -> list[str]:
+    """Cross-reference problems of a state, each as 'field: problem'."""
+    problems: list[str] = []
+    problems += _duplicates("gpus", [g.gpu_id for g in state.gpus])
+    problems += _duplicates("workers", [w.worker_id for w in state.workers])
+    problems += _duplicates("allocations", [a.allocation_id for a in state.allocations])
+    gpus = {g.gpu_id: g for g in state.gpus}
+    allocation_ids = {a.allocation_id for a in state.allocations}
+    for i, g in enumerate(state.gpus):
+        if g.allocation_id not in allocation_ids:
+            problems.append(f"gpus[{i}].allocation_id: unknown allocation {g.allocation_id!r}")
+        if g.lent and g.source is not GpuSource.BASE_TRAIN:
+            problems.append(f"gpus[{i}].lent: only base-train GPUs can be lent")
+    active_on: dict[str, str] = {}
+    for i, w in enumerate(state.workers):
+        try:
+            check_role(w.kind, w.role)
+        except ValueError as err:
+            problems.append(f"workers[{i}].role: {err}")
+        for gid in w.gpu_ids:
+            gpu = gpus.get(gid)
+            if gpu is None:
+                problems.append(f"workers[{i}].gpu_ids: unknown GPU {gid!r}")
+                continue
+            if gpu.node != w.node:
+                problems.append(f"workers[{i}].gpu_ids: GPU {gid!r} is on {gpu.node}, not {w.node}")
+            if not w.active:
+                continue
+            if gid in active_on:
+                problems.append(
+                    f"workers[{i}].gpu_ids: GPU {gid!r} already hosts active {active_on[gid]!r}"
+                )
+            active_on[gid] = w.worker_id
+            if gpu.source is GpuSource.BASE_TRAIN and w.kind is WorkerKind.ENGINE and not gpu.lent:
+                problems.append(f"workers[{i}]: engine active on base-train GPU {gid!r} not lent")
+            if w.kind is WorkerKind.TRAINER and gpu.lent:
+                problems.append(f"workers[{i}]: trainer active on lent GPU {gid!r}")
+    if state.borrow is not None:
+        for gid in state.borrow.gpu_ids:
+            if gid not in gpus or gpus[gid].source is not GpuSource.BASE_TRAIN:
+                problems.append(f"borrow.gpu_ids: {gid!r} is not a base-train GPU")
+    return problems
+
+
+def _duplicates(field: str, ids: list[str]) -> list[str]:
+    return [f"{field}: duplicate id {i!r}" for i, n in Counter(ids).items() if n > 1]

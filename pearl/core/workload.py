@@ -1,0 +1,121 @@
+"""A snapshot of the unfinished rollout batch, as the predictor sees it.
+
+Each trajectory is a multi-turn episode: a turn is a prefill (the tokens appended since
+the previous turn, or the whole context when its prefix is no longer cached), a decode
+of the turn's output, then an environment (tool) step, except after the last turn.
+
+Invariants: counts and times are non-negative; trajectory ids are unique; ``arrays()``
+returns one entry per unfinished trajectory (``not_started`` ones included) in the
+order of ``trajectories`` followed by the not-started ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from functools import cached_property
+from typing import Annotated
+
+import numpy as np
+from numpy.typing import NDArray
+from pydantic import Field, model_validator
+
+from pearl.core.profile import WorkloadDefaults
+from pearl.core.state import Frozen, NonNegFloat, NonNegInt
+
+
+class TrajPhase(StrEnum):
+    QUEUED = "queued"  # waiting for its next turn's prefill
+    PREFILL = "prefill"  # prefill of the current turn running
+    DECODE = "decode"  # generating the current turn's output
+    ENV = "env"  # waiting on the environment (tool call)
+
+
+class TrajectoryProgress(Frozen):
+    traj_id: Annotated[str, Field(min_length=1)]
+    phase: TrajPhase
+    context_tokens: NonNegInt = Field(description="Tokens of context so far.")
+    remaining_turns: NonNegFloat = Field(
+        description="Expected turns still to start or finish, the current one included "
+        "(in env: the turns after the tool call)."
+    )
+    turn_output_tokens: NonNegInt = Field(0, description="Tokens generated in the current turn.")
+    env_remaining_s: NonNegFloat = Field(0.0, description="Expected rest of the current env step.")
+
+
+class TurnStats(Frozen):
+    """Observed per-turn means of the run; they override the profile's defaults."""
+
+    output_tokens_per_turn: Annotated[float, Field(gt=0)]
+    observation_tokens_per_turn: NonNegFloat
+    env_latency_s: NonNegFloat
+
+
+class WorkloadSnapshot(Frozen):
+    trajectories: tuple[TrajectoryProgress, ...] = ()
+    not_started: NonNegInt = Field(0, description="Trajectories of the batch not begun yet.")
+    stats: TurnStats | None = Field(None, description="Observed turn statistics, if any.")
+
+    @model_validator(mode="after")
+    def _unique_ids(self) -> WorkloadSnapshot:
+        ids = [t.traj_id for t in self.trajectories]
+        if len(set(ids)) != len(ids):
+            raise ValueError("trajectories: duplicate traj_id")
+        return self
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.trajectories) + self.not_started
+
+    def turn_stats(self, defaults: WorkloadDefaults) -> TurnStats:
+        if self.stats is not None:
+            return self.stats
+        return TurnStats(
+            output_tokens_per_turn=defaults.output_tokens_per_turn,
+            observation_tokens_per_turn=defaults.observation_tokens_per_turn,
+            env_latency_s=defaults.env_latency_s,
+        )
+
+    @cached_property
+    def _arrays_of_started(self) -> TrajectoryArrays:
+        n = len(self.trajectories)
+        phase = np.empty(n, dtype=np.int8)
+        ctx = np.empty(n)
+        turns = np.empty(n)
+        out = np.empty(n)
+        env = np.empty(n)
+        codes = {p: i for i, p in enumerate(TrajPhase)}
+        for i, t in enumerate(self.trajectories):
+            phase[i] = codes[t.phase]
+            ctx[i] = t.context_tokens
+            turns[i] = t.remaining_turns
+            out[i] = t.turn_output_tokens
+            env[i] = t.env_remaining_s
+        return TrajectoryArrays(phase, ctx, turns, out, env)
+
+    def arrays(self, defaults: WorkloadDefaults) -> TrajectoryArrays:
+        """Column arrays of all unfinished trajectories (not-started ones from defaults)."""
+        started = self._arrays_of_started
+        k = self.not_started
+        if k == 0:
+            return started
+        return TrajectoryArrays(
+            phase=np.concatenate([started.phase, np.zeros(k, dtype=np.int8)]),
+            context_tokens=np.concatenate([started.context_tokens, np.full(k, defaults.prompt_tokens)]),
+            remaining_turns=np.concatenate(
+                [started.remaining_turns, np.full(k, defaults.turns_per_trajectory)]
+            ),
+            turn_output_tokens=np.concatenate([started.turn_output_tokens, np.zeros(k)]),
+            env_remaining_s=np.concatenate([started.env_remaining_s, np.zeros(k)]),
+        )
+
+
+@dataclass(frozen=True)
+class TrajectoryArrays:
+    """Columns of the unfinished trajectories; ``phase`` holds ``list(TrajPhase)`` indices."""
+
+    phase: NDArray[np.int8]
+    context_tokens: NDArray[np.float64]
+    remaining_turns: NDArray[np.float64]
+    turn_output_tokens: NDArray[np.float64]
+    env_remaining_s: NDArray[np.float64]
