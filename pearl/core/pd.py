@@ -37,7 +37,7 @@ class InstanceSpec:
         return f"{self.role.value}:{self.gpu_type}x{self.tp}"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, order=True)
 class PDConfig:
     instances: tuple[tuple[InstanceSpec, int], ...] = ()
 
@@ -115,6 +115,15 @@ def fits(node_sizes: tuple[int, ...], tps: Iterable[int]) -> bool:
         if best is None:
             return False
         free[best] -= tp
+    return True
+
+
+def fits_budget(config: PDConfig, budget: GpuBudget) -> bool:
+    """Whether every instance of the configuration packs onto the budget's nodes."""
+    for gpu_type in config.gpus_by_type():
+        tps = [s.tp for s, n in config.instances if s.gpu_type == gpu_type for _ in range(n)]
+        if not fits(budget.node_sizes(gpu_type), tps):
+            return False
     return True
 
 

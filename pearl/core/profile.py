@@ -64,7 +64,8 @@ class PrefillCoeffs(Frozen):
         """Per-sequence share of prefill time when batched (the fixed cost excluded)."""
         n = np.asarray(new_tokens, dtype=float)
         p = np.asarray(prefix_tokens, dtype=float)
-        return self.b_s_per_token * n + self.c_s_per_token2 * ((p + n) ** 2 - p**2)
+        work = self.b_s_per_token * n + self.c_s_per_token2 * ((p + n) ** 2 - p**2)
+        return np.asarray(work, dtype=np.float64)
 
 
 class DecodeRegime(Frozen):

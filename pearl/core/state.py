@@ -102,7 +102,10 @@ class Allocation(Frozen):
 class BorrowWindow(Frozen):
     gpu_ids: tuple[Id, ...] = Field(min_length=1, description="The trainer GPUs lent.")
     lent_at_s: NonNegFloat = Field(description="When the lending started.")
-    return_by_s: NonNegFloat = Field(description="When the trainer needs its GPUs back.")
+    return_by_s: NonNegFloat = Field(
+        description="When rollout must have vacated the GPUs, so the trainer can onload in time."
+    )
+    returning: bool = Field(False, description="The return has been decided and is under way.")
 
 
 class ClusterState(Frozen):

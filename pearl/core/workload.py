@@ -101,7 +101,9 @@ class WorkloadSnapshot(Frozen):
             return started
         return TrajectoryArrays(
             phase=np.concatenate([started.phase, np.zeros(k, dtype=np.int8)]),
-            context_tokens=np.concatenate([started.context_tokens, np.full(k, defaults.prompt_tokens)]),
+            context_tokens=np.concatenate(
+                [started.context_tokens, np.full(k, defaults.prompt_tokens)]
+            ),
             remaining_turns=np.concatenate(
                 [started.remaining_turns, np.full(k, defaults.turns_per_trajectory)]
             ),

@@ -1,0 +1,36 @@
+"""The ``pearl`` command: subcommands register themselves; input errors exit with 2."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from pearl.cli import bench, plan
+from pearl.io.documents import InputError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pearl",
+        description="Asynchronous agentic RL on Slurm: elastic GPUs, borrowed training GPUs "
+        "and adaptive prefill-decode rollout.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    plan.add_parser(sub)
+    bench.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        code: int = args.run(args)
+    except InputError as err:
+        print(f"pearl: error: {err}", file=sys.stderr)
+        return 2
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

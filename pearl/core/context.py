@@ -1,0 +1,122 @@
+"""The inputs of one decision, with the derived views the policies share.
+
+Selections are memoised per budget within one decision, so the borrowing and elastic
+policies and the switching rule can ask "what is the best configuration with these
+GPUs?" without repeating the work.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from pearl.core.config import PolicyConfig
+from pearl.core.observation import Observation
+from pearl.core.pd import GpuBudget, PDConfig, config_of
+from pearl.core.predictor import Prediction, predict_many
+from pearl.core.profile import RuntimeProfile
+from pearl.core.roles import GpuSource, WorkerKind
+from pearl.core.selection import Selection, select_pd
+from pearl.core.state import AllocationStatus, ClusterState, Gpu
+from pearl.core.transition_cost import estimate_transition_s, inventory
+
+
+@dataclass
+class DecisionContext:
+    state: ClusterState  # already observed: events folded in
+    obs: Observation
+    cfg: PolicyConfig
+    profile: RuntimeProfile
+    now_s: float
+    _selections: dict[tuple[GpuBudget, bool], Selection] = field(default_factory=dict)
+
+    @property
+    def current_config(self) -> PDConfig:
+        return config_of(self.state)
+
+    def predict(self, config: PDConfig) -> Prediction:
+        return predict_many(self.obs.workload, [config], self.profile)[0]
+
+    def trainer_gpu_ids(self) -> tuple[str, ...]:
+        """The base-train GPUs, in the order of the state."""
+        return tuple(g.gpu_id for g in self.state.gpus if g.source is GpuSource.BASE_TRAIN)
+
+    def lent_gpu_ids(self) -> frozenset[str]:
+        return frozenset(g.gpu_id for g in self.state.gpus if g.lent)
+
+    def rollout_gpus(
+        self, lent: Iterable[str], excluded_allocations: Iterable[str] = ()
+    ) -> list[Gpu]:
+        """GPUs rollout may use: base rollout, usable granted elastic ones, and lent ones."""
+        lent_ids = set(lent)
+        excluded = set(excluded_allocations)
+        allocations = self.state.allocation_by_id
+        pool = []
+        for g in self.state.gpus:
+            status = allocations[g.allocation_id].status
+            if g.source is GpuSource.BASE_TRAIN:
+                usable = g.gpu_id in lent_ids
+            else:
+                usable = status is AllocationStatus.GRANTED and g.allocation_id not in excluded
+            if usable:
+                pool.append(g)
+        return pool
+
+    def budget(self, gpus: Iterable[Gpu], extra_nodes: Iterable[tuple[str, int]] = ()) -> GpuBudget:
+        per_node: Counter[tuple[str, str]] = Counter((g.gpu_type, g.node) for g in gpus)
+        per_type: defaultdict[str, list[int]] = defaultdict(list)
+        for (gpu_type, _), n in per_node.items():
+            per_type[gpu_type].append(n)
+        for gpu_type, n in extra_nodes:
+            per_type[gpu_type].append(n)
+        return GpuBudget.of(per_type)
+
+    def select(
+        self,
+        pool: Sequence[Gpu],
+        lending: bool = False,
+        extra_nodes: Sequence[tuple[str, int]] = (),
+    ) -> Selection:
+        """Best configuration on a GPU pool, ranked by transition estimate plus prediction.
+
+        ``lending``: reaching it starts with the trainer's offload. ``extra_nodes``:
+        hypothetical (gpu_type, num_gpus) nodes, e.g. an elastic request not yet granted.
+        """
+        budget = self.budget(pool, extra_nodes)
+        key = (budget, lending)
+        if key not in self._selections:
+            inv = inventory(self.state, (g.gpu_id for g in pool), lending)
+            drain_s = self.drain_estimate_s()
+            costs = self.profile.costs
+            self._selections[key] = select_pd(
+                self.obs.workload,
+                budget,
+                self.profile,
+                self.cfg.selection,
+                extra=[self.current_config],
+                transition_s=lambda c: estimate_transition_s(inv, c, costs, drain_s),
+            )
+        return self._selections[key]
+
+    def drain_estimate_s(self) -> float:
+        """Expected time for in-flight turns to finish: one turn's decode at batch 1 is the
+        worst case per request; the running batch makes it a little longer."""
+        stats = self.obs.workload.turn_stats(self.profile.workload)
+        best_step_s = min(
+            (
+                float(e.decode.step_s(1, stats.output_tokens_per_turn))
+                for gp in self.profile.gpus.values()
+                for e in gp.engines
+            ),
+            default=0.0,
+        )
+        return stats.output_tokens_per_turn * best_step_s
+
+    def trainer_workers_on(self, gpu_ids: Iterable[str]) -> list[str]:
+        ids = set(gpu_ids)
+        return [
+            w.worker_id
+            for w in self.state.workers
+            if w.kind is WorkerKind.TRAINER and w.live and ids.intersection(w.gpu_ids)
+        ]

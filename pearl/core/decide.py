@@ -1,0 +1,143 @@
+"""``decide()``: the single entry point of the simulator and the coordinator.
+
+    state    = observe(state, observation)          # passive: mirror what happened
+    elastic  = elastic rule (which grants to use, what to request or release)
+    borrow   = borrowing rule (lend, keep, return, force a return)
+    target   = best PD configuration for the resulting GPU pool
+    plan     = incremental transition plan from the state to the target
+    verdict  = switching rule: is the plan worth it (always, when the pool changed)
+
+Pure: the clock arrives as ``now_s``; nothing is read or written. Deciding twice on the
+same inputs returns equal decisions, and a state that already matches the best target
+gets an empty plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from pearl.core.config import PolicyConfig
+from pearl.core.context import DecisionContext
+from pearl.core.decision import BorrowAction, BorrowKind, Decision, ElasticAction
+from pearl.core.observation import Observation, observe
+from pearl.core.plan import Target, TransitionPlan
+from pearl.core.planner import plan_transition
+from pearl.core.policies.borrowing import BORROW_RULES
+from pearl.core.policies.elastic import ELASTIC_RULES
+from pearl.core.policies.switching import SWITCH_RULES, SwitchInput
+from pearl.core.profile import RuntimeProfile
+from pearl.core.registry import check_names, lookup
+from pearl.core.roles import WorkerKind
+from pearl.core.state import AllocationKind, AllocationStatus, BorrowWindow, ClusterState, Gpu
+
+Policy = Callable[[ClusterState, Observation, PolicyConfig, RuntimeProfile, float], Decision]
+
+
+def decide(
+    state: ClusterState,
+    obs: Observation,
+    cfg: PolicyConfig,
+    profile: RuntimeProfile,
+    now_s: float,
+) -> Decision:
+    check_names(cfg, POLICIES)
+    return POLICIES[cfg.policy](state, obs, cfg, profile, now_s)
+
+
+def decide_pearl(
+    state: ClusterState,
+    obs: Observation,
+    cfg: PolicyConfig,
+    profile: RuntimeProfile,
+    now_s: float,
+) -> Decision:
+    ctx = DecisionContext(
+        _close_finished_borrow(observe(state, obs, now_s)), obs, cfg, profile, now_s
+    )
+    elastic = lookup(ELASTIC_RULES, cfg.elastic.rule, "elastic.rule")(ctx)
+    borrow = lookup(BORROW_RULES, cfg.borrowing.rule, "borrowing.rule")(ctx)
+    ctx.state = _with_borrow(ctx.state, borrow, now_s)
+    lent = frozenset(borrow.gpu_ids if borrow.kind in (BorrowKind.LEND, BorrowKind.KEEP) else ())
+    pool = ctx.rollout_gpus(lent, elastic.unused)
+    current_config = ctx.current_config
+    current = ctx.predict(current_config)
+    selection = ctx.select(pool, lending=bool(lent - ctx.lent_gpu_ids()))
+    target = Target(selection.best.config, lent)
+    plan = plan_transition(ctx.state, target, profile, now_s, ctx.drain_estimate_s())
+    switch_input = SwitchInput(
+        current_s=current.completion_s,
+        target_s=selection.best.completion_s,
+        cost_s=plan.makespan_s,
+        mandatory=_pool_changed(ctx.state, pool, lent, elastic),
+        last_switch_s=ctx.state.last_pd_switch_s,
+        now_s=now_s,
+    )
+    verdict = lookup(SWITCH_RULES, cfg.switching.rule, "switching.rule")(
+        switch_input, cfg.switching
+    )
+    if not verdict.switch:
+        plan = TransitionPlan(Target(current_config, lent), reason=verdict.reason)
+    elif not plan.empty and target.config != current_config:
+        ctx.state = ctx.state.replace(last_pd_switch_s=now_s)
+    reasons = (
+        f"elastic: {elastic.reason}",
+        f"borrow: {borrow.kind.value}: {borrow.reason}",
+        f"select: {selection.reason}",
+        f"switch: {'yes' if verdict.switch else 'no'}: {verdict.reason}",
+        f"plan: {len(plan.steps)} steps, {plan.makespan_s:.1f} s; {plan.reason}",
+    )
+    return Decision(
+        now_s, cfg.policy, ctx.state, plan, verdict, borrow, elastic, current, selection, reasons
+    )
+
+
+def _close_finished_borrow(state: ClusterState) -> ClusterState:
+    """A returning window closes once its GPUs are no longer lent (the trainer onloaded)."""
+    window = state.borrow
+    if window is None or not window.returning:
+        return state
+    if any(state.gpu_by_id[g].lent for g in window.gpu_ids if g in state.gpu_by_id):
+        return state
+    return state.replace(borrow=None)
+
+
+def _with_borrow(state: ClusterState, borrow: BorrowAction, now_s: float) -> ClusterState:
+    if borrow.kind is BorrowKind.LEND:
+        assert borrow.return_by_s is not None
+        window = BorrowWindow(
+            gpu_ids=borrow.gpu_ids, lent_at_s=now_s, return_by_s=borrow.return_by_s
+        )
+        return state.replace(borrow=window)
+    if borrow.kind in (BorrowKind.RETURN, BorrowKind.FORCE_RETURN) and state.borrow is not None:
+        assert borrow.return_by_s is not None
+        window = state.borrow.model_copy(
+            update={"returning": True, "return_by_s": borrow.return_by_s}
+        )
+        if window != state.borrow:
+            return state.replace(borrow=window)
+    return state
+
+
+def _pool_changed(
+    state: ClusterState, pool: list[Gpu], lent: frozenset[str], elastic: ElasticAction
+) -> bool:
+    """The running configuration must change: engines outside the pool, a lend or a
+    return to carry out, or a usable grant that hosts no worker yet."""
+    in_pool = {g.gpu_id for g in pool}
+    for w in state.workers:
+        if w.kind is WorkerKind.ENGINE and w.active and not in_pool.issuperset(w.gpu_ids):
+            return True
+    if lent != {g.gpu_id for g in state.gpus if g.lent}:
+        return True
+    hosted = {gid for w in state.workers if w.live for gid in w.gpu_ids}
+    hosting = {g.allocation_id for g in pool if g.gpu_id in hosted}
+    return any(
+        a.kind is AllocationKind.ELASTIC
+        and a.status is AllocationStatus.GRANTED
+        and a.allocation_id not in elastic.unused
+        and a.allocation_id not in hosting
+        for a in state.allocations
+    )
+
+
+POLICIES: dict[str, Policy] = {"pearl": decide_pearl}

@@ -1,0 +1,79 @@
+"""What ``decide()`` returns: plain frozen data, each part with its reason.
+
+The shell journals ``Decision.state`` (the observed state the decision was taken on),
+then executes the plan, the borrow action and the elastic requests and releases.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from pearl.core.plan import TransitionPlan
+from pearl.core.predictor import Prediction
+from pearl.core.selection import Selection
+from pearl.core.state import ClusterState
+
+
+class BorrowKind(StrEnum):
+    NONE = "none"  # nothing lent and nothing to lend
+    KEEP = "keep"  # a borrow window is open and stays open
+    LEND = "lend"  # lend the trainer's GPUs to rollout now
+    RETURN = "return"  # give them back on schedule (drain, then sleep and onload)
+    FORCE_RETURN = "force_return"  # the trainer needs them: migrate in-flight requests away
+
+
+@dataclass(frozen=True)
+class BorrowAction:
+    kind: BorrowKind
+    gpu_ids: tuple[str, ...] = ()
+    return_by_s: float | None = None  # when the trainer must have its GPUs back
+    gain_s: float = 0.0  # predicted batch time saved by the lent GPUs
+    overhead_s: float = 0.0  # lend plus return transition time
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class ElasticRequest:
+    num_gpus: int
+    gpu_type: str
+    partition: str
+    time_limit_min: int
+
+
+@dataclass(frozen=True)
+class ElasticAction:
+    requests: tuple[ElasticRequest, ...] = ()
+    releases: tuple[str, ...] = ()  # allocation ids to give back
+    unused: tuple[str, ...] = ()  # granted allocations left out of the rollout pool
+    gain_s_per_gpu: float = 0.0  # predicted time saved per requested GPU
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class SwitchVerdict:
+    switch: bool
+    mandatory: bool  # the pool changed, so the configuration must change
+    gain_s: float  # predicted time saved by the target over the current configuration
+    cost_s: float  # the transition's makespan
+    reason: str
+
+
+@dataclass(frozen=True)
+class Decision:
+    time_s: float
+    policy: str
+    state: ClusterState  # the state after folding in the observation
+    plan: TransitionPlan
+    switch: SwitchVerdict
+    borrow: BorrowAction
+    elastic: ElasticAction
+    current: Prediction  # of the configuration running now, on the batch left
+    selection: Selection | None  # None when no selection was needed
+    reasons: tuple[str, ...] = field(default=())
+
+    def summary(self) -> str:
+        """A few lines for people: what was decided and why."""
+        lines = [f"t={self.time_s:.1f}s policy={self.policy} state v{self.state.version}"]
+        lines += [f"- {r}" for r in self.reasons]
+        return "\n".join(lines)

@@ -1,0 +1,157 @@
+"""Observations: what the shell saw since the last ``decide()``, as data.
+
+Events are a tagged union on ``kind``. ``observe()`` folds them into the state (the
+passive step): it mirrors what Slurm, the agents and the trainer report and plans
+nothing. Folding the same observation into its own result changes nothing but the
+clock (a test shows it).
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from pearl.core.roles import GpuSource
+from pearl.core.state import (
+    Allocation,
+    AllocationKind,
+    AllocationStatus,
+    ClusterState,
+    Frozen,
+    Gpu,
+    Id,
+    NonNegFloat,
+)
+from pearl.core.workload import WorkloadSnapshot
+
+
+class GrantedNode(Frozen):
+    node: Id
+    gpu_type: Id
+    num_gpus: Annotated[int, Field(ge=1)]
+
+
+class AllocationGranted(Frozen):
+    kind: Literal["allocation_granted"] = "allocation_granted"
+    allocation_id: Id
+    nodes: tuple[GrantedNode, ...] = Field(min_length=1)
+    end_by_s: NonNegFloat | None = Field(None, description="Time limit, if Slurm gave one.")
+
+
+class AllocationPreempting(Frozen):
+    kind: Literal["allocation_preempting"] = "allocation_preempting"
+    allocation_id: Id
+    deadline_s: NonNegFloat = Field(description="End of the grace period.")
+
+
+class AllocationEnded(Frozen):
+    kind: Literal["allocation_ended"] = "allocation_ended"
+    allocation_id: Id
+    reason: str = ""
+
+
+class AllocationPending(Frozen):
+    kind: Literal["allocation_pending"] = "allocation_pending"
+    allocation_id: Id
+    gpu_type: Id
+    num_gpus: Annotated[int, Field(ge=1)]
+
+
+Event = Annotated[
+    AllocationGranted | AllocationPreempting | AllocationEnded | AllocationPending,
+    Field(discriminator="kind"),
+]
+
+
+class TrainerPhase(StrEnum):
+    TRAINING = "training"  # running an update on its GPUs
+    WAITING = "waiting"  # update done; waiting for the next rollout batch
+
+
+class TrainerStatus(Frozen):
+    phase: TrainerPhase = TrainerPhase.TRAINING
+    needs_gpus: bool = Field(
+        False, description="The next batch is ready: the trainer wants its GPUs back now."
+    )
+    step_ends_at_s: NonNegFloat | None = Field(None, description="End of the running update.")
+
+
+class Observation(Frozen):
+    schema_version: Literal[1] = 1
+    events: tuple[Event, ...] = ()
+    trainer: TrainerStatus = TrainerStatus()
+    workload: WorkloadSnapshot = WorkloadSnapshot()
+
+
+def observe(state: ClusterState, obs: Observation, now_s: float) -> ClusterState:
+    """Fold the observation's events into the state; the clock moves to ``now_s``."""
+    allocations = {a.allocation_id: a for a in state.allocations}
+    gpus = list(state.gpus)
+    workers = list(state.workers)
+    for ev in obs.events:
+        old = allocations.get(ev.allocation_id)
+        if isinstance(ev, AllocationPending):
+            if old is None:
+                allocations[ev.allocation_id] = Allocation(
+                    allocation_id=ev.allocation_id,
+                    kind=AllocationKind.ELASTIC,
+                    status=AllocationStatus.PENDING,
+                    gpu_type=ev.gpu_type,
+                    num_gpus=ev.num_gpus,
+                    submitted_at_s=now_s,
+                )
+        elif isinstance(ev, AllocationGranted):
+            if old is not None and old.status is AllocationStatus.GRANTED:
+                continue
+            allocations[ev.allocation_id] = _granted(ev, old, now_s)
+            known = {g.gpu_id for g in gpus}
+            gpus += [g for g in _gpus_of(ev) if g.gpu_id not in known]
+        elif isinstance(ev, AllocationPreempting):
+            if old is not None and old.status is not AllocationStatus.ENDED:
+                allocations[ev.allocation_id] = old.model_copy(
+                    update={"status": AllocationStatus.PREEMPTING, "end_by_s": ev.deadline_s}
+                )
+        elif old is not None:  # AllocationEnded
+            allocations[ev.allocation_id] = old.model_copy(
+                update={"status": AllocationStatus.ENDED}
+            )
+            lost = {g.gpu_id for g in gpus if g.allocation_id == ev.allocation_id}
+            gpus = [g for g in gpus if g.gpu_id not in lost]
+            workers = [w for w in workers if not lost.intersection(w.gpu_ids)]
+    if not obs.events and now_s == state.time_s:
+        return state
+    return state.replace(
+        time_s=now_s,
+        allocations=tuple(allocations.values()),
+        gpus=tuple(gpus),
+        workers=tuple(workers),
+    )
+
+
+def _granted(ev: AllocationGranted, old: Allocation | None, now_s: float) -> Allocation:
+    return Allocation(
+        allocation_id=ev.allocation_id,
+        kind=AllocationKind.ELASTIC,
+        status=AllocationStatus.GRANTED,
+        gpu_type=ev.nodes[0].gpu_type,
+        num_gpus=sum(n.num_gpus for n in ev.nodes),
+        submitted_at_s=old.submitted_at_s if old else None,
+        granted_at_s=now_s,
+        end_by_s=ev.end_by_s,
+    )
+
+
+def _gpus_of(ev: AllocationGranted) -> list[Gpu]:
+    return [
+        Gpu(
+            gpu_id=f"{n.node}/{i}",
+            node=n.node,
+            gpu_type=n.gpu_type,
+            source=GpuSource.ELASTIC,
+            allocation_id=ev.allocation_id,
+        )
+        for n in ev.nodes
+        for i in range(n.num_gpus)
+    ]

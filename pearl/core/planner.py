@@ -1,0 +1,474 @@
+"""Incremental transition planner: the fewest worker changes from a state to a target.
+
+A plan (``pearl.core.plan``) is a diff: workers that already fit the target are in no step.
+1. Pool: base-rollout and elastic GPUs of granted allocations, plus the base-train GPUs the
+   target lends. Engines active outside the pool leave: to sleep on base-train GPUs (they
+   stay co-resident with the trainer for cheap re-lending), stopped elsewhere. Asleep
+   engines on GPUs of an allocation that is not granted are stopped. A trainer ends
+   ``idle`` when any of its GPUs is lent (offload, before engines wake or start there) and
+   ``train`` otherwise (onload, after the engines on its GPUs left).
+2. Keep every engine in the pool whose (role, GPU type, tp) the target still wants, up to
+   the wanted count, ready ones first.
+3. Per (GPU type, tp) class, assign the remaining target instances to the remaining engines
+   of the class (switch an active one, wake an asleep one) or to a new start, by a min-cost
+   assignment: fewest changes (a big-M term), then fewest seconds. Unmatched active engines
+   leave as in 1; unmatched asleep ones stay asleep.
+4. Place new instances (``pearl.core.placement``), then order the steps with dependencies.
+
+Conventions: ``draining``/``stopping`` engines count as nothing: the plan finishes them
+(stop, or sleep on base-train GPUs). ``starting``/``switching`` engines hold no requests
+and change without a drain. An asleep engine that shares a GPU with another engine is
+never woken; a new engine never lands on an asleep engine's GPU unless that engine is
+stopped first (one more change). GPU deadlines: a borrowed GPU returned by this plan
+(``borrow.return_by_s``) and a GPU of a preempting or ended allocation (``end_by_s``, or
+now when unknown) must be vacated (drain, then sleep or stop) in time; a drain of
+``drain_estimate_s`` that would miss it becomes a migration, and a miss anyway a problem.
+
+Invariants (asserted by ``tests/core/test_planner.py``):
+- applying the plan yields ``target.config`` and the targeted trainer and lending state,
+  unless ``problems`` says why not;
+- ``num_role_changes`` is the minimum number of workers created, stopped or given another
+  role; each worker is in at most one such step;
+- a state that already matches the target gets an empty plan; equal inputs, equal plans;
+- steps are in topological order and each starts when its last dependency ends.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+from scipy.optimize import linear_sum_assignment
+
+from pearl.core.pd import InstanceSpec
+from pearl.core.placement import Hold, Placement, place_instances
+from pearl.core.plan import Action, PlanStep, Target, TransitionPlan
+from pearl.core.profile import RuntimeProfile, TransitionCosts
+from pearl.core.roles import GpuSource, Phase, Role, WorkerKind
+from pearl.core.state import AllocationStatus, ClusterState, Gpu, Worker
+
+_Class = tuple[str, int]  # (GPU type, tp): engines are reusable only within a class
+_SETTLING = frozenset({Phase.STARTING, Phase.READY, Phase.SWITCHING})  # end in ready alone
+
+
+@dataclass
+class _Ctx:
+    """Inputs of one planning call, with the derived pool."""
+
+    state: ClusterState
+    target: Target
+    costs: TransitionCosts
+    now_s: float
+    drain_estimate_s: float
+    lent: frozenset[str] = frozenset()
+    pool: set[str] = field(default_factory=set)
+    problems: list[str] = field(default_factory=list)
+
+    def gpu_type(self, w: Worker) -> str:
+        return self.state.gpu_by_id[w.gpu_ids[0]].gpu_type
+
+    def on_base_train(self, w: Worker) -> bool:
+        gpus = self.state.gpu_by_id
+        return all(gpus[g].source is GpuSource.BASE_TRAIN for g in w.gpu_ids)
+
+    def release_action(self, w: Worker) -> Action:
+        """How an engine leaves its role: sleep on base-train GPUs, stop elsewhere."""
+        if w.active and w.phase is not Phase.STOPPING and self.on_base_train(w):
+            return Action.SLEEP
+        return Action.STOP
+
+    def release_s(self, w: Worker) -> float:
+        sleep = self.release_action(w) is Action.SLEEP
+        return self.costs.sleep_s if sleep else self.costs.stop_s
+
+
+@dataclass
+class _Decisions:
+    """What happens to each worker; workers in none of these are left alone."""
+
+    offload: list[Worker] = field(default_factory=list)
+    onload: list[Worker] = field(default_factory=list)
+    kept: list[Worker] = field(default_factory=list)
+    switch: dict[str, Role] = field(default_factory=dict)  # active engine -> new role
+    wake: dict[str, Role] = field(default_factory=dict)  # asleep engine -> new role
+    release: dict[str, tuple[Action, str]] = field(default_factory=dict)  # STOP/SLEEP, why
+    asleep_left: list[Worker] = field(default_factory=list)  # asleep engines in the pool
+    new: list[InstanceSpec] = field(default_factory=list)
+
+
+def plan_transition(
+    state: ClusterState,
+    target: Target,
+    profile: RuntimeProfile,
+    now_s: float,
+    drain_estimate_s: float = 0.0,
+) -> TransitionPlan:
+    """The plan from ``state`` to ``target`` with the fewest changes, then the lowest cost."""
+    ctx = _Ctx(state, target, profile.costs, now_s, drain_estimate_s)
+    _check_target(ctx, profile)
+    ctx.lent = _valid_lent(ctx)
+    ctx.pool = _pool(ctx)
+    d = _Decisions()
+    _plan_trainers(ctx, d)
+    active, asleep = _sort_engines(ctx, d)
+    rows, rest = _keep(ctx, d, active)
+    for cls in sorted(set(rows) | set(rest) | set(asleep)):
+        _assign_class(ctx, d, cls, rows.get(cls, []), rest.get(cls, []), asleep.get(cls, []))
+    placement = _place(ctx, d)
+    return _summarize(ctx, d, _build_steps(ctx, d, placement))
+
+
+def _check_target(ctx: _Ctx, profile: RuntimeProfile) -> None:
+    for spec, _ in ctx.target.config.instances:
+        if profile.engine(spec.gpu_type, spec.tp) is None:
+            ctx.problems.append(f"no engine profile for {spec.label()}")
+
+
+def _valid_lent(ctx: _Ctx) -> frozenset[str]:
+    gpus = ctx.state.gpu_by_id
+    lent = set()
+    for gid in sorted(ctx.target.lent_gpu_ids):
+        if gid in gpus and gpus[gid].source is GpuSource.BASE_TRAIN:
+            lent.add(gid)
+        else:
+            ctx.problems.append(f"cannot lend {gid!r}: not a base-train GPU")
+    return frozenset(lent)
+
+
+def _pool(ctx: _Ctx) -> set[str]:
+    allocations = ctx.state.allocation_by_id
+    pool = set()
+    for g in ctx.state.gpus:
+        if g.source is GpuSource.BASE_TRAIN:
+            usable = g.gpu_id in ctx.lent
+        else:
+            usable = allocations[g.allocation_id].status is AllocationStatus.GRANTED
+        if usable:
+            pool.add(g.gpu_id)
+    return pool
+
+
+def _plan_trainers(ctx: _Ctx, d: _Decisions) -> None:
+    """Offload trainers whose GPUs are lent, onload the others; shrink the pool if stuck."""
+    for w in ctx.state.workers:
+        if w.kind is not WorkerKind.TRAINER or not w.live:
+            continue
+        lend = any(g in ctx.lent for g in w.gpu_ids)
+        if w.role is (Role.IDLE if lend else Role.TRAIN):
+            continue
+        if w.phase not in _SETTLING:
+            ctx.problems.append(f"trainer {w.worker_id} is {w.phase.value}: cannot change role")
+            if lend:
+                ctx.pool.difference_update(w.gpu_ids)
+            continue
+        (d.offload if lend else d.onload).append(w)
+
+
+def _sort_engines(
+    ctx: _Ctx, d: _Decisions
+) -> tuple[dict[InstanceSpec, list[Worker]], dict[_Class, list[Worker]]]:
+    """Active engines in the pool by spec, wake candidates by class; the rest decided."""
+    active: dict[InstanceSpec, list[Worker]] = defaultdict(list)
+    asleep: dict[_Class, list[Worker]] = defaultdict(list)
+    engines_on = Counter(
+        g for w in ctx.state.workers if w.live and w.kind is WorkerKind.ENGINE for g in w.gpu_ids
+    )
+    for w in ctx.state.workers:
+        if w.kind is not WorkerKind.ENGINE or not w.live:
+            continue
+        in_pool = ctx.pool.issuperset(w.gpu_ids)
+        if w.phase not in _SETTLING:
+            d.release[w.worker_id] = (ctx.release_action(w), f"finish {w.phase.value}")
+        elif w.role is not Role.IDLE and in_pool:
+            active[InstanceSpec(w.role, ctx.gpu_type(w), w.tp)].append(w)
+        elif w.role is not Role.IDLE:
+            d.release[w.worker_id] = (ctx.release_action(w), "GPUs leave the rollout pool")
+        elif in_pool and all(engines_on[g] == 1 for g in w.gpu_ids):
+            asleep[(ctx.gpu_type(w), w.tp)].append(w)
+        elif in_pool:
+            d.asleep_left.append(w)
+        elif not ctx.on_base_train(w):
+            d.release[w.worker_id] = (Action.STOP, "its allocation is going away")
+    return active, asleep
+
+
+def _keep(
+    ctx: _Ctx, d: _Decisions, active: dict[InstanceSpec, list[Worker]]
+) -> tuple[dict[_Class, list[Role]], dict[_Class, list[Worker]]]:
+    """Keep engines that fit; return the unmet instances (roles) and the other engines."""
+    wanted = ctx.target.config.counts()
+    rows: dict[_Class, list[Role]] = defaultdict(list)
+    rest: dict[_Class, list[Worker]] = defaultdict(list)
+    for spec in sorted(set(wanted) | set(active)):
+        cands = sorted(
+            active.get(spec, []), key=lambda w: (w.phase is not Phase.READY, w.worker_id)
+        )
+        n = min(wanted[spec], len(cands))
+        d.kept += cands[:n]
+        rest[(spec.gpu_type, spec.tp)] += cands[n:]
+        rows[(spec.gpu_type, spec.tp)] += [spec.role] * (wanted[spec] - n)
+    return rows, rest
+
+
+def _assign_class(
+    ctx: _Ctx,
+    d: _Decisions,
+    cls: _Class,
+    rows: list[Role],
+    active: list[Worker],
+    asleep: list[Worker],
+) -> None:
+    """Min-cost assignment of one class's unmet instances to its engines or new starts."""
+    roles = sorted(set(rows))
+    columns: list[Worker | None] = []
+    changes: list[list[float]] = []
+    seconds: list[list[float]] = []
+    per_group: Counter[tuple[object, ...]] = Counter()
+    for w, ch, secs in _columns(ctx, roles, active, sorted(asleep, key=_asleep_order), len(rows)):
+        group = (w is None, w is not None and w.role is Role.IDLE, *ch, *secs)
+        if per_group[group] < len(rows):  # identical columns beyond the row count are useless
+            per_group[group] += 1
+            columns.append(w)
+            changes.append(ch)
+            seconds.append(secs)
+    matched: set[str] = set()
+    if rows:
+        secs_arr = np.array(seconds, dtype=float)
+        big_m = 1.0 + 2.0 * len(rows) * float(np.abs(secs_arr).max())
+        by_role = np.array(changes, dtype=float) * big_m + secs_arr  # columns x roles
+        matrix = by_role[:, [roles.index(r) for r in rows]].T
+        for i, j in zip(*linear_sum_assignment(matrix), strict=True):
+            _take(ctx, d, cls, rows[int(i)], columns[int(j)], matched)
+    for w in active:
+        if w.worker_id not in matched:
+            d.release[w.worker_id] = (ctx.release_action(w), "not needed by the target")
+    d.asleep_left += [w for w in asleep if w.worker_id not in matched]
+
+
+def _asleep_order(w: Worker) -> tuple[int, str]:
+    return (-w.weights_version, w.worker_id)
+
+
+def _columns(
+    ctx: _Ctx, roles: list[Role], active: list[Worker], asleep: list[Worker], num_rows: int
+) -> list[tuple[Worker | None, list[float], list[float]]]:
+    """Candidate columns with their per-role change count and seconds (net of the cost of
+    the worker's fate when it stays unmatched)."""
+    c = ctx.costs
+    cols: list[tuple[Worker | None, list[float], list[float]]] = []
+    for w in active:  # a switch (1 change) instead of a release (1 change)
+        switch_s = c.role_switch_s - ctx.release_s(w)
+        cols.append(
+            (w, [-1.0 if r is w.role else 0.0 for r in roles],
+             [-ctx.release_s(w) if r is w.role else switch_s for r in roles])
+        )  # fmt: skip
+    for w in asleep:
+        wake_s = c.wake_s + (c.weight_sync_s if _stale(ctx, w) else 0.0)
+        cols.append((w, [1.0] * len(roles), [wake_s] * len(roles)))
+    cols += [(None, [1.0] * len(roles), [c.engine_cold_start_s] * len(roles))] * num_rows
+    return cols
+
+
+def _stale(ctx: _Ctx, w: Worker) -> bool:
+    return w.weights_version < ctx.state.policy_version
+
+
+def _take(
+    ctx: _Ctx, d: _Decisions, cls: _Class, role: Role, w: Worker | None, matched: set[str]
+) -> None:
+    if w is None:
+        d.new.append(InstanceSpec(role, cls[0], cls[1]))
+        return
+    matched.add(w.worker_id)
+    if w.role is Role.IDLE:
+        d.wake[w.worker_id] = role
+    elif w.role is role:
+        d.kept.append(w)
+    else:
+        d.switch[w.worker_id] = role
+
+
+def _place(ctx: _Ctx, d: _Decisions) -> Placement:
+    """Place the new instances; stop sleepers or asleep engines whose GPUs are needed."""
+    if not d.new:
+        return Placement()
+    workers = ctx.state.worker_by_id
+    hold_of: dict[str, Hold] = {}
+    for w in d.kept:
+        hold_of[w.worker_id] = Hold.KEPT
+    for wid in (*d.switch, *d.wake):
+        hold_of[wid] = Hold.KEPT
+    for w in d.asleep_left:
+        hold_of[w.worker_id] = Hold.ASLEEP
+    for wid, (action, _) in d.release.items():
+        hold_of[wid] = Hold.SLEPT if action is Action.SLEEP else Hold.STOPPED
+    workers_on: dict[str, list[str]] = defaultdict(list)
+    for wid in sorted(hold_of):
+        for g in workers[wid].gpu_ids:
+            if g in ctx.pool:
+                workers_on[g].append(wid)
+    pool_gpus: list[Gpu] = [g for g in ctx.state.gpus if g.gpu_id in ctx.pool]
+    placement = place_instances(d.new, pool_gpus, workers_on, hold_of)
+    for wid in sorted(placement.stop_instead_of_sleep | placement.stop_asleep):
+        d.release[wid] = (Action.STOP, "its GPUs are needed by a new instance")
+    for spec in placement.unplaced:
+        ctx.problems.append(f"no room for a new {spec.label()}: no node with {spec.tp} free GPUs")
+    return placement
+
+
+class _Steps:
+    """Appends steps in topological order; each starts when its last dependency ends."""
+
+    def __init__(self) -> None:
+        self.steps: list[PlanStep] = []
+
+    def add(
+        self,
+        action: Action,
+        w: Worker,
+        role: Role | None,
+        deps: Iterable[int],
+        duration_s: float,
+        reason: str,
+    ) -> int:
+        ordered = tuple(sorted(set(deps)))
+        start_s = max((self.steps[i].end_s for i in ordered), default=0.0)
+        step_id = len(self.steps)
+        self.steps.append(
+            PlanStep(step_id, action, w.worker_id, w.node, w.gpu_ids, role, ordered, duration_s,
+                     start_s, reason)
+        )  # fmt: skip
+        return step_id
+
+
+def _build_steps(ctx: _Ctx, d: _Decisions, placement: Placement) -> list[PlanStep]:
+    """Offloads, drains, releases and switches, onloads, wakes (and syncs), starts."""
+    c, workers, s = ctx.costs, ctx.state.worker_by_id, _Steps()
+    offload_at: dict[str, int] = {}
+    for w in sorted(d.offload, key=_wid):
+        i = s.add(Action.OFFLOAD, w, Role.IDLE, (), c.trainer_offload_s, "lend its GPUs to rollout")
+        offload_at.update(dict.fromkeys(w.gpu_ids, i))
+    freed_at: dict[str, list[int]] = defaultdict(list)  # GPU -> steps that take engines off it
+    released_at: dict[str, int] = {}
+    for wid in sorted({*d.release, *d.switch}):
+        w, role = workers[wid], d.switch.get(wid)
+        if role is not None:
+            action, why = Action.SWITCH, f"reuse as {role.value}"
+            duration_s = c.role_switch_s
+        else:
+            action, why = d.release[wid]
+            role = Role.IDLE if action is Action.SLEEP else None
+            duration_s = c.sleep_s if action is Action.SLEEP else c.stop_s
+        deadline_s = _deadline_s(ctx, w)
+        i = s.add(action, w, role, _leave(ctx, s, w, duration_s, deadline_s), duration_s, why)
+        if deadline_s is not None and ctx.now_s + s.steps[i].end_s > deadline_s + 1e-9:
+            ctx.problems.append(f"{wid} leaves its GPUs after their deadline {deadline_s:.1f} s")
+        if action is not Action.SWITCH:
+            released_at[wid] = i
+            for g in w.gpu_ids:
+                freed_at[g].append(i)
+    for w in sorted(d.onload, key=_wid):
+        deps = [i for g in w.gpu_ids for i in freed_at.get(g, ())]
+        s.add(Action.ONLOAD, w, Role.TRAIN, deps, c.trainer_onload_s, "its GPUs return")
+    for wid in sorted(d.wake):
+        w, role = workers[wid], d.wake[wid]
+        deps = [offload_at[g] for g in w.gpu_ids if g in offload_at]
+        i = s.add(Action.WAKE, w, role, deps, c.wake_s, f"reuse asleep engine as {role.value}")
+        if _stale(ctx, w):
+            why = f"weights v{w.weights_version} < policy v{ctx.state.policy_version}"
+            s.add(Action.SYNC_WEIGHTS, w, None, (i,), c.weight_sync_s, why)
+    _add_starts(ctx, s, placement, offload_at, released_at)
+    return s.steps
+
+
+def _add_starts(
+    ctx: _Ctx,
+    s: _Steps,
+    placement: Placement,
+    offload_at: dict[str, int],
+    released_at: dict[str, int],
+) -> None:
+    taken = set(ctx.state.worker_by_id)
+    for p in placement.placed:
+        wid = _new_worker_id(p.node, p.gpu_ids[0], taken)
+        w = Worker(worker_id=wid, kind=WorkerKind.ENGINE, node=p.node, gpu_ids=p.gpu_ids,
+                   role=p.spec.role, phase=Phase.STARTING)  # fmt: skip
+        deps = [offload_at[g] for g in p.gpu_ids if g in offload_at]
+        deps += [released_at[v] for v in p.after_workers]
+        s.add(
+            Action.START,
+            w,
+            p.spec.role,
+            deps,
+            ctx.costs.engine_cold_start_s,
+            f"new {p.spec.label()}",
+        )
+
+
+def _new_worker_id(node: str, first_gpu_id: str, taken: set[str]) -> str:
+    """``e-NODE-INDEX`` (INDEX: the part of the GPU id after its last '/'), then ``-2``, ..."""
+    base = f"e-{node}-{first_gpu_id.rsplit('/', 1)[-1]}"
+    wid, n = base, 2
+    while wid in taken:
+        wid, n = f"{base}-{n}", n + 1
+    taken.add(wid)
+    return wid
+
+
+def _leave(
+    ctx: _Ctx, s: _Steps, w: Worker, then_s: float, deadline_s: float | None
+) -> tuple[int, ...]:
+    """Drain (or migrate, when draining would miss the deadline) an engine with requests."""
+    if not (w.active and w.phase in (Phase.READY, Phase.DRAINING)):
+        return ()
+    drain_s = ctx.drain_estimate_s
+    if deadline_s is None or ctx.now_s + drain_s + then_s <= deadline_s:
+        return (s.add(Action.DRAIN, w, None, (), drain_s, "let in-flight turns finish"),)
+    why = f"vacate by {deadline_s:.1f} s: hand in-flight requests to other instances"
+    return (s.add(Action.MIGRATE, w, None, (), ctx.costs.migrate_s, why),)
+
+
+def _deadline_s(ctx: _Ctx, w: Worker) -> float | None:
+    """When the worker's GPUs must be vacated, if they must."""
+    state, deadlines = ctx.state, []
+    borrowed = set(state.borrow.gpu_ids) if state.borrow is not None else set()
+    for gid in w.gpu_ids:
+        gpu = state.gpu_by_id[gid]
+        if gid in borrowed and gid not in ctx.lent and state.borrow is not None:
+            deadlines.append(state.borrow.return_by_s)
+        alloc = state.allocation_by_id[gpu.allocation_id]
+        if gpu.source is not GpuSource.BASE_TRAIN and alloc.status in _LEAVING:
+            deadlines.append(alloc.end_by_s if alloc.end_by_s is not None else ctx.now_s)
+    return min(deadlines, default=None)
+
+
+_LEAVING = (AllocationStatus.PREEMPTING, AllocationStatus.ENDED)
+_CHANGES = frozenset(
+    {Action.START, Action.STOP, Action.SLEEP, Action.WAKE, Action.SWITCH, Action.OFFLOAD,
+     Action.ONLOAD}
+)  # fmt: skip
+
+
+def _wid(w: Worker) -> str:
+    return w.worker_id
+
+
+def _summarize(ctx: _Ctx, d: _Decisions, steps: list[PlanStep]) -> TransitionPlan:
+    changes = Counter(s.action for s in steps if s.action in _CHANGES)
+    goal = ctx.target.config.label() + (f", {len(ctx.lent)} GPUs lent" if ctx.lent else "")
+    if not steps:
+        reason = f"already at {goal}"
+    else:
+        done = ", ".join(f"{a.value} {n}" for a, n in sorted(changes.items()))
+        reason = f"reach {goal}: keep {len(d.kept)}, {done}"
+    return TransitionPlan(
+        target=ctx.target,
+        steps=tuple(steps),
+        num_role_changes=len({s.worker_id for s in steps if s.action in _CHANGES}),
+        makespan_s=max((s.end_s for s in steps), default=0.0),
+        gpu_busy_s=sum(s.duration_s * len(s.gpu_ids) for s in steps),
+        reason=reason,
+        problems=tuple(ctx.problems),
+    )

@@ -1,0 +1,1 @@
+"""Decision policies: switching, borrowing and elastic rules, each chosen by name."""

@@ -1,0 +1,103 @@
+"""Borrowing rules: lend the trainer's idle GPUs to rollout and get them back in time.
+
+``predictive`` (the default):
+- lend while the trainer waits for the next batch, when the batch time saved by the
+  extra GPUs (transition estimate plus predicted completion, with and without them)
+  beats the return overhead (drain, sleep, onload) by ``min_gain_s``; the window's
+  ``return_by_s`` is when rollout must have vacated the GPUs so that the trainer's onload
+  ends as the batch is predicted to complete;
+- return on schedule, starting early enough for drain, sleep and the margin;
+- when the trainer needs its GPUs now, force the return: the vacate deadline becomes
+  ``now + max_return_delay_s - onload``, and the planner migrates in-flight requests
+  wherever draining would miss it. The trainer's wait is thereby bounded by
+  ``max_return_delay_s`` whenever migration fits in it.
+
+Invariant: a forced return's deadline is never later than the open window's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from pearl.core.context import DecisionContext
+from pearl.core.decision import BorrowAction, BorrowKind
+from pearl.core.observation import TrainerPhase
+
+BorrowRule = Callable[[DecisionContext], BorrowAction]
+
+
+def predictive_rule(ctx: DecisionContext) -> BorrowAction:
+    cfg, costs, now_s = ctx.cfg.borrowing, ctx.profile.costs, ctx.now_s
+    trainer = ctx.obs.trainer
+    window = ctx.state.borrow
+    if window is not None:
+        if trainer.needs_gpus:
+            deadline_s = min(
+                window.return_by_s, now_s + cfg.max_return_delay_s - costs.trainer_onload_s
+            )
+            return BorrowAction(
+                BorrowKind.FORCE_RETURN,
+                window.gpu_ids,
+                max(now_s, deadline_s),
+                reason="the trainer needs its GPUs now",
+            )
+        if window.returning:
+            return BorrowAction(
+                BorrowKind.RETURN, window.gpu_ids, window.return_by_s, reason="return under way"
+            )
+        start_at_s = (
+            window.return_by_s - ctx.drain_estimate_s() - costs.sleep_s - cfg.return_margin_s
+        )
+        if now_s >= start_at_s:
+            return BorrowAction(
+                BorrowKind.RETURN,
+                window.gpu_ids,
+                window.return_by_s,
+                reason=f"scheduled return (vacate by {window.return_by_s:.1f} s)",
+            )
+        return BorrowAction(
+            BorrowKind.KEEP,
+            window.gpu_ids,
+            window.return_by_s,
+            reason=f"lent until {start_at_s:.1f} s",
+        )
+    trainer_gpus = ctx.trainer_gpu_ids()
+    if not trainer_gpus:
+        return BorrowAction(BorrowKind.NONE, reason="no trainer GPUs")
+    if trainer.phase is not TrainerPhase.WAITING or trainer.needs_gpus:
+        return BorrowAction(BorrowKind.NONE, reason="the trainer is using its GPUs")
+    if ctx.obs.workload.num_unfinished == 0:
+        return BorrowAction(BorrowKind.NONE, reason="no rollout work left")
+    without = ctx.select(ctx.rollout_gpus(())).best
+    with_lent = ctx.select(ctx.rollout_gpus(trainer_gpus), lending=True).best
+    return_s = ctx.drain_estimate_s() + costs.sleep_s + costs.trainer_onload_s
+    # Each candidate's effective time includes its transition (for the lent one: the
+    # offload and the wake); the return comes on top.
+    gain_s = without.effective_s - with_lent.effective_s
+    overhead_s = with_lent.transition_s + return_s
+    if gain_s - return_s <= cfg.min_gain_s:
+        return BorrowAction(
+            BorrowKind.NONE,
+            gain_s=gain_s,
+            overhead_s=overhead_s,
+            reason=f"lending saves {gain_s:.1f} s, overhead {overhead_s:.1f} s",
+        )
+    return_by_s = now_s + with_lent.effective_s - costs.trainer_onload_s
+    return BorrowAction(
+        BorrowKind.LEND,
+        trainer_gpus,
+        return_by_s,
+        gain_s,
+        overhead_s,
+        reason=f"lending saves {gain_s:.1f} s for {overhead_s:.1f} s overhead",
+    )
+
+
+def never_rule(ctx: DecisionContext) -> BorrowAction:
+    window = ctx.state.borrow
+    if window is None:
+        return BorrowAction(BorrowKind.NONE, reason="borrowing disabled")
+    return BorrowAction(BorrowKind.RETURN, window.gpu_ids, ctx.now_s, reason="borrowing disabled")
+
+
+BORROW_RULES: dict[str, BorrowRule] = {"predictive": predictive_rule, "never": never_rule}

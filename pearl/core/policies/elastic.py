@@ -1,0 +1,93 @@
+"""Elastic rules: which granted GPUs to use, which to give back, how many more to ask for.
+
+``marginal-gain`` (the default):
+- a granted allocation is used when its remaining window (its end time, or the expected
+  window of a grant without one) is at least ``min_window_factor`` cold starts, or when
+  engines already run on it; otherwise it is released at once;
+- a preempting allocation leaves the pool: the planner moves its engines off within the
+  grace period;
+- while fewer than ``max_allocations`` are pending or held, it requests more when the
+  batch time saved per requested GPU beats ``min_gain_s_per_gpu``; the new GPUs serve
+  only after a cold start, which the transition estimate of the candidates with them
+  includes (Slurm's queueing delay is not). It looks at the current batch only: the
+  next batches would benefit too, so the rule errs on the side of asking for less.
+
+Invariant: never more requests than the room under ``max_allocations``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from pearl.core.context import DecisionContext
+from pearl.core.decision import ElasticAction, ElasticRequest
+from pearl.core.state import Allocation, AllocationKind, AllocationStatus
+
+ElasticRule = Callable[[DecisionContext], ElasticAction]
+
+_LIVE = (AllocationStatus.PENDING, AllocationStatus.GRANTED, AllocationStatus.PREEMPTING)
+
+
+def marginal_gain_rule(ctx: DecisionContext) -> ElasticAction:
+    cfg = ctx.cfg.elastic
+    elastic = [a for a in ctx.state.allocations if a.kind is AllocationKind.ELASTIC]
+    unused = tuple(a.allocation_id for a in elastic if _not_worth_it(ctx, a))
+    live = [a for a in elastic if a.status in _LIVE and a.allocation_id not in unused]
+    room = cfg.max_allocations - len(live)
+    if room <= 0 or ctx.obs.workload.num_unfinished == 0 or cfg.gpu_type not in ctx.profile.gpus:
+        why = "at the allocation cap" if room <= 0 else "nothing to gain"
+        return ElasticAction(releases=unused, unused=unused, reason=why)
+    lent = ctx.lent_gpu_ids() | set(ctx.state.borrow.gpu_ids if ctx.state.borrow else ())
+    pool = ctx.rollout_gpus(lent, unused)
+    now = ctx.select(pool).best.effective_s
+    extra_nodes = [(cfg.gpu_type, cfg.gpus_per_allocation)] * room
+    more = ctx.select(pool, extra_nodes=extra_nodes).best.effective_s
+    if now == float("inf") or more == float("inf"):
+        return ElasticAction(releases=unused, unused=unused, reason="no feasible prediction")
+    gain_per_gpu_s = (now - more) / (room * cfg.gpus_per_allocation)
+    if gain_per_gpu_s <= cfg.min_gain_s_per_gpu:
+        return ElasticAction(
+            releases=unused,
+            unused=unused,
+            gain_s_per_gpu=gain_per_gpu_s,
+            reason=f"{gain_per_gpu_s:.2f} s per GPU is not worth a request",
+        )
+    request = ElasticRequest(
+        cfg.gpus_per_allocation, cfg.gpu_type, cfg.partition, cfg.time_limit_min
+    )
+    return ElasticAction(
+        requests=(request,) * room,
+        releases=unused,
+        unused=unused,
+        gain_s_per_gpu=gain_per_gpu_s,
+        reason=f"request {room} x {cfg.gpus_per_allocation} {cfg.gpu_type}: "
+        f"{gain_per_gpu_s:.2f} s saved per GPU",
+    )
+
+
+def _not_worth_it(ctx: DecisionContext, a: Allocation) -> bool:
+    """A granted allocation with no engines whose window is too short for a cold start."""
+    if a.status is not AllocationStatus.GRANTED:
+        return False
+    on_it = {g.gpu_id for g in ctx.state.gpus if g.allocation_id == a.allocation_id}
+    if any(w.active and on_it.intersection(w.gpu_ids) for w in ctx.state.workers):
+        return False
+    cfg = ctx.cfg.elastic
+    end_s = (
+        a.end_by_s
+        if a.end_by_s is not None
+        else (a.granted_at_s or ctx.now_s) + cfg.expected_window_s
+    )
+    return end_s - ctx.now_s < cfg.min_window_factor * ctx.profile.costs.engine_cold_start_s
+
+
+def never_rule(ctx: DecisionContext) -> ElasticAction:
+    granted = tuple(
+        a.allocation_id
+        for a in ctx.state.allocations
+        if a.kind is AllocationKind.ELASTIC and a.status is AllocationStatus.GRANTED
+    )
+    return ElasticAction(releases=granted, unused=granted, reason="elastic GPUs disabled")
+
+
+ELASTIC_RULES: dict[str, ElasticRule] = {"marginal-gain": marginal_gain_rule, "never": never_rule}

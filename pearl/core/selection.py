@@ -1,0 +1,282 @@
+"""PD mode and ratio selection under a GPU budget.
+
+Candidates:
+- colocated: every GPU type runs colocated instances of one TP degree; every combination
+  of feasible degrees per type (capped, see ``_MAX_TP_COMBOS``);
+- disaggregated: for every pair (prefill TP, decode TP), every split of the budget into P
+  prefill and D decode instances. GPU types are ordered by their comparative advantage
+  at prefill (prefill throughput over decode throughput per GPU, from the profile);
+  prefill instances fill the most prefill-suited types first, node by node, and decode
+  instances take every GPU left. With heterogeneous GPUs this places prefill and decode
+  where the profile says each runs best; with one type it is the plain P:D split.
+
+When the candidates number at most ``exhaustive_limit`` every one is predicted. Above
+it, each TP pair is first probed on a coarse grid of splits, the best pairs are kept and
+their split is refined by integer ternary search with a final scan of the bracket
+(exact when the predicted time is unimodal in P, which the fluid predictor's
+prefill/decode balance makes it in practice; a test compares against exhaustive search).
+
+Invariants: every returned configuration fits the budget (per type, instances pack onto
+the nodes); ``ranked`` is sorted by estimated transition time plus predicted completion
+time (the transition is 0 unless the caller supplies an estimate), best first; ties are
+broken by fewer GPUs, then by the configuration's order, so selection is deterministic.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from pearl.core.config import SelectionConfig
+from pearl.core.pd import GpuBudget, InstanceSpec, PDConfig, fits_budget
+from pearl.core.predictor import Prediction, predict_many
+from pearl.core.profile import RuntimeProfile
+from pearl.core.roles import Role
+from pearl.core.workload import WorkloadSnapshot
+
+_MAX_TP_COMBOS = 64
+_GRID_POINTS = 6
+_PAIRS_REFINED = 3
+
+
+@dataclass(frozen=True)
+class Candidate:
+    config: PDConfig
+    prediction: Prediction
+    transition_s: float = 0.0  # estimated time to reach the configuration from now
+
+    @property
+    def completion_s(self) -> float:
+        return self.prediction.completion_s
+
+    @property
+    def effective_s(self) -> float:
+        """Transition plus predicted completion: what ranks candidates."""
+        return self.transition_s + self.prediction.completion_s
+
+
+@dataclass(frozen=True)
+class Selection:
+    best: Candidate
+    ranked: tuple[Candidate, ...]  # the top candidates, best first
+    num_evaluated: int
+    exhaustive: bool
+    notes: tuple[str, ...]  # e.g. GPU types the profile does not know
+
+    @property
+    def reason(self) -> str:
+        runner_up = self.ranked[1] if len(self.ranked) > 1 else None
+        text = f"best {self.best.config.label()}: {_times(self.best)}"
+        if runner_up is not None:
+            text += f"; next {runner_up.config.label()}: {_times(runner_up)}"
+        return f"{text} ({self.num_evaluated} candidates)"
+
+
+def select_pd(
+    workload: WorkloadSnapshot,
+    budget: GpuBudget,
+    profile: RuntimeProfile,
+    cfg: SelectionConfig,
+    extra: Sequence[PDConfig] = (),
+    transition_s: Callable[[PDConfig], float] | None = None,
+) -> Selection:
+    """The configuration with the smallest predicted completion time, and the runners-up.
+
+    ``extra`` configurations (e.g. the one running now) are ranked alongside when they fit
+    the budget. With ``transition_s``, candidates rank by transition plus completion, so a
+    target whose transition would eat its gain loses to a cheaper one.
+    """
+    evaluated: dict[PDConfig, Prediction] = {}
+
+    def evaluate(configs: Sequence[PDConfig]) -> list[float]:
+        new = [c for c in dict.fromkeys(configs) if c not in evaluated]
+        for c, p in zip(new, predict_many(workload, new, profile), strict=True):
+            evaluated[c] = p
+        return [evaluated[c].completion_s for c in configs]
+
+    notes = tuple(
+        f"GPU type {t!r} is not in the profile; unused"
+        for t in budget.types()
+        if t not in profile.gpus
+    )
+    layouts = [
+        _SplitLayout(budget, profile, tp_p, tp_d) for tp_p, tp_d in _tp_pairs(budget, profile)
+    ]
+    layouts = [lay for lay in layouts if lay.max_prefill >= 1]
+    colocated = _colocated_configs(budget, profile)
+    num_candidates = len(colocated) + sum(lay.max_prefill for lay in layouts)
+    exhaustive = num_candidates <= cfg.exhaustive_limit
+    evaluate([*(c for c in extra if c.instances and fits_budget(c, budget)), *colocated])
+    if exhaustive:
+        evaluate([lay.config(p) for lay in layouts for p in range(1, lay.max_prefill + 1)])
+    else:
+        _search_splits(layouts, evaluate)
+    if not evaluated:
+        evaluate([PDConfig()])
+    cost = transition_s or (lambda _: 0.0)
+    scored = [
+        Candidate(c, p, cost(c) if p.completion_s < math.inf else 0.0) for c, p in evaluated.items()
+    ]
+    scored.sort(key=lambda c: (c.effective_s, c.config.num_gpus, c.config))
+    candidates = tuple(scored[: cfg.top_k])
+    return Selection(candidates[0], candidates, len(evaluated), exhaustive, notes)
+
+
+def _times(c: Candidate) -> str:
+    return f"{c.transition_s:.1f} s transition + {c.completion_s:.1f} s predicted"
+
+
+def _search_splits(
+    layouts: Sequence[_SplitLayout], evaluate: Callable[[Sequence[PDConfig]], list[float]]
+) -> None:
+    """Coarse grid over every TP pair, then ternary refinement of the best pairs."""
+    scored: list[tuple[float, int, _SplitLayout]] = []
+    for lay in layouts:
+        grid = _grid(lay.max_prefill)
+        times = evaluate([lay.config(p) for p in grid])
+        best = min(range(len(grid)), key=lambda i: (times[i], grid[i]))
+        lo = grid[best - 1] if best > 0 else 1
+        hi = grid[best + 1] if best + 1 < len(grid) else lay.max_prefill
+        scored.append((times[best], id(lay), lay))
+        lay.bracket = (lo, hi)
+    scored.sort(key=lambda s: s[0])
+    for _, _, lay in scored[:_PAIRS_REFINED]:
+        _ternary(lay, evaluate)
+
+
+def _ternary(lay: _SplitLayout, evaluate: Callable[[Sequence[PDConfig]], list[float]]) -> None:
+    """Integer ternary search of the split within the layout's bracket, then a scan."""
+
+    def f(num_prefill: int) -> float:
+        return evaluate([lay.config(num_prefill)])[0]
+
+    lo, hi = lay.bracket
+    while hi - lo > 3:
+        m1 = lo + (hi - lo) // 3
+        m2 = hi - (hi - lo) // 3
+        if f(m1) <= f(m2):
+            hi = m2
+        else:
+            lo = m1
+    for p in range(lo, hi + 1):
+        f(p)
+
+
+def _grid(max_prefill: int) -> list[int]:
+    """A few splits spread geometrically over 1..max_prefill, both ends included."""
+    if max_prefill <= _GRID_POINTS:
+        return list(range(1, max_prefill + 1))
+    ratio = max_prefill ** (1.0 / (_GRID_POINTS - 1))
+    return sorted({max(1, min(max_prefill, round(ratio**i))) for i in range(_GRID_POINTS)})
+
+
+def _usable_tps(budget: GpuBudget, profile: RuntimeProfile, gpu_type: str) -> tuple[int, ...]:
+    biggest_node = max(budget.node_sizes(gpu_type), default=0)
+    return tuple(tp for tp in profile.feasible_tps(gpu_type) if tp <= biggest_node)
+
+
+def _colocated_configs(budget: GpuBudget, profile: RuntimeProfile) -> list[PDConfig]:
+    types = [t for t in budget.types() if _usable_tps(budget, profile, t)]
+    choices = [_usable_tps(budget, profile, t) for t in types]
+    combos = list(itertools.islice(itertools.product(*choices), _MAX_TP_COMBOS))
+    configs = []
+    for combo in combos:
+        counts = {
+            InstanceSpec(Role.COLOCATED, t, tp): sum(n // tp for n in budget.node_sizes(t))
+            for t, tp in zip(types, combo, strict=True)
+        }
+        configs.append(PDConfig.of(counts))
+    return [c for c in configs if c.instances]
+
+
+def _tp_pairs(budget: GpuBudget, profile: RuntimeProfile) -> list[tuple[int, int]]:
+    tps = sorted({tp for t in budget.types() for tp in _usable_tps(budget, profile, t)})
+    return list(itertools.product(tps, tps))
+
+
+def prefill_advantage(profile: RuntimeProfile, gpu_type: str) -> float:
+    """Prefill throughput over decode throughput per GPU at a reference operating point."""
+    tps = profile.feasible_tps(gpu_type)
+    if not tps:
+        return 0.0
+    eng = profile.engine(gpu_type, tps[0])
+    assert eng is not None
+    w = profile.workload
+    ctx = w.prompt_tokens + w.turns_per_trajectory / 2 * (
+        w.output_tokens_per_turn + w.observation_tokens_per_turn
+    )
+    prefill_s = float(eng.prefill.work_s(w.observation_tokens_per_turn + 1, ctx))
+    prefill_per_s = 1.0 / max(prefill_s, 1e-12)
+    batch = float(min(eng.max_num_seqs, 64))
+    decode_per_s = batch / float(eng.decode.step_s(batch, batch * ctx))
+    return prefill_per_s / decode_per_s
+
+
+class _SplitLayout:
+    """Disaggregated configurations of one TP pair, indexed by the prefill instance count."""
+
+    def __init__(self, budget: GpuBudget, profile: RuntimeProfile, tp_p: int, tp_d: int) -> None:
+        self.tp_p, self.tp_d = tp_p, tp_d
+        self.bracket = (1, 1)
+        types = sorted(budget.types(), key=lambda t: (-prefill_advantage(profile, t), t))
+        self.types = [t for t in types if t in profile.gpus]
+        self.prefill_ok = [tp_p in _usable_tps(budget, profile, t) for t in self.types]
+        self.decode_ok = [tp_d in _usable_tps(budget, profile, t) for t in self.types]
+        # Per type, its nodes as (free GPUs, how many nodes), largest first.
+        self.nodes = [
+            sorted(Counter(budget.node_sizes(t)).items(), reverse=True) for t in self.types
+        ]
+        # Cumulative prefill slots over the types in order, and per type over its nodes.
+        self.type_slots = [
+            sum(n // tp_p * k for n, k in ns) if ok else 0
+            for ns, ok in zip(self.nodes, self.prefill_ok, strict=True)
+        ]
+        self.cum_type_slots = list(itertools.accumulate(self.type_slots, initial=0))
+        # The most prefill instances that still leave a decode instance (the decode count
+        # never grows with the prefill count, so bisect).
+        lo, hi = 0, self.cum_type_slots[-1]
+        if self._decode_count(0) == 0:
+            hi = 0
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if self._decode_count(mid) > 0 else (lo, mid - 1)
+        self.max_prefill = lo
+
+    def _split(self, num_prefill: int) -> tuple[list[int], list[int]]:
+        """Per type: prefill instances and decode instances."""
+        prefill, decode = [], []
+        for i, ns in enumerate(self.nodes):
+            p_here = min(max(num_prefill - self.cum_type_slots[i], 0), self.type_slots[i])
+            prefill.append(p_here)
+            decode.append(self._decode_on(ns, p_here) if self.decode_ok[i] else 0)
+        return prefill, decode
+
+    def _decode_on(self, groups: list[tuple[int, int]], num_prefill: int) -> int:
+        """Decode instances left on nodes once prefill filled them in order."""
+        tp_p, tp_d = self.tp_p, self.tp_d
+        left, count = num_prefill, 0
+        for size, num_nodes in groups:
+            per_node = size // tp_p
+            full = min(num_nodes, left // per_node) if per_node else 0
+            left -= full * per_node
+            count += full * ((size - per_node * tp_p) // tp_d)
+            rest = num_nodes - full
+            if rest and left > 0:  # one node partly used by prefill
+                count += (size - left * tp_p) // tp_d
+                left, rest = 0, rest - 1
+            count += rest * (size // tp_d)
+        return count
+
+    def _decode_count(self, num_prefill: int) -> int:
+        return sum(self._split(num_prefill)[1])
+
+    def config(self, num_prefill: int) -> PDConfig:
+        prefill, decode = self._split(num_prefill)
+        counts: dict[InstanceSpec, int] = {}
+        for t, p, d in zip(self.types, prefill, decode, strict=True):
+            counts[InstanceSpec(Role.PREFILL, t, self.tp_p)] = p
+            counts[InstanceSpec(Role.DECODE, t, self.tp_d)] = d
+        return PDConfig.of(counts)

@@ -1,0 +1,166 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pearl.core.apply import apply_plan
+from pearl.core.config import BorrowingConfig, PolicyConfig, SwitchingConfig
+from pearl.core.decide import decide
+from pearl.core.decision import BorrowKind
+from pearl.core.observation import (
+    AllocationGranted,
+    AllocationPreempting,
+    GrantedNode,
+    Observation,
+    TrainerPhase,
+    TrainerStatus,
+)
+from pearl.core.pd import config_of
+from pearl.core.profile import RuntimeProfile
+from pearl.core.registry import UnknownName
+from pearl.core.state import AllocationStatus, ClusterState
+from pearl.io.documents import load_profile
+from pearl.synth import Layout, build_state, build_workload
+
+WAITING = TrainerStatus(phase=TrainerPhase.WAITING)
+TRAINING = TrainerStatus(phase=TrainerPhase.TRAINING)
+
+
+@pytest.fixture(scope="module")
+def profile() -> RuntimeProfile:
+    return load_profile("qwen3-8b")
+
+
+def _obs(trainer: TrainerStatus = TRAINING, n: int = 96, **kw: object) -> Observation:
+    """A latency-bound batch of n trajectories: more GPUs hardly help."""
+    workload = build_workload(np.random.default_rng(3), n)
+    return Observation(trainer=trainer, workload=workload, **kw)  # type: ignore[arg-type]
+
+
+def _busy_obs(trainer: TrainerStatus = TRAINING, **kw: object) -> Observation:
+    """A batch bound by KV capacity: more GPUs help."""
+    rng = np.random.default_rng(3)
+    workload = build_workload(rng, 512, prompt_tokens=6000, not_started=1536)
+    return Observation(trainer=trainer, workload=workload, **kw)  # type: ignore[arg-type]
+
+
+def _settled(
+    state: ClusterState, obs: Observation, profile: RuntimeProfile, cfg: PolicyConfig, now_s: float
+) -> ClusterState:
+    """Decide and carry out the plan until nothing changes (at most 5 rounds)."""
+    for i in range(5):
+        d = decide(state, obs, cfg, profile, now_s + i)
+        if d.plan.empty:
+            return d.state
+        state = apply_plan(d.state, d.plan, now_s + i)
+    raise AssertionError("decisions did not settle")
+
+
+def test_same_inputs_same_decision(profile: RuntimeProfile) -> None:
+    state = build_state(Layout(1, 2, 1))
+    a = decide(state, _obs(WAITING), PolicyConfig(), profile, 10.0)
+    b = decide(state, _obs(WAITING), PolicyConfig(), profile, 10.0)
+    assert a == b
+
+
+def test_a_state_at_its_best_target_gets_an_empty_plan(profile: RuntimeProfile) -> None:
+    cfg = PolicyConfig(switching=SwitchingConfig(rule="always"))
+    state = _settled(build_state(Layout(1, 2, 1)), _obs(), profile, cfg, 10.0)
+    again = decide(state, _obs(), cfg, profile, 20.0)
+    assert again.plan.empty
+    assert again.selection is not None and config_of(state) == again.selection.best.config
+
+
+def test_margin_rule_keeps_the_running_config_for_small_gains(profile: RuntimeProfile) -> None:
+    state = build_state(Layout(1, 2, 1))
+    huge_margin = PolicyConfig(switching=SwitchingConfig(min_gain_s=1e9))
+    d = decide(state, _obs(), huge_margin, profile, 10.0)
+    assert not d.switch.switch and d.plan.empty and "needed" in d.switch.reason
+
+
+def test_dwell_time_prevents_flapping(profile: RuntimeProfile) -> None:
+    state = build_state(Layout(1, 2, 1)).replace(last_pd_switch_s=5.0)
+    cfg = PolicyConfig(switching=SwitchingConfig(min_gain_s=0, min_gain_fraction=0, min_dwell_s=60))
+    d = decide(state, _obs(), cfg, profile, 10.0)
+    assert not d.switch.switch and d.switch.reason.startswith("dwell")
+
+
+def test_waiting_trainer_lends_then_returns_on_demand(profile: RuntimeProfile) -> None:
+    cfg = PolicyConfig()
+    state = build_state(Layout(1, 1, 0))
+    lend = decide(state, _busy_obs(WAITING), cfg, profile, 10.0)
+    assert lend.borrow.kind is BorrowKind.LEND, lend.borrow.reason
+    assert lend.state.borrow is not None and lend.borrow.gain_s > lend.borrow.overhead_s
+    lent = apply_plan(lend.state, lend.plan, 10.0)
+    assert all(g.lent for g in lent.gpus if g.source.value == "base-train")
+    needs = TrainerStatus(phase=TrainerPhase.WAITING, needs_gpus=True)
+    back = decide(lent, _busy_obs(needs), cfg, profile, 30.0)
+    assert back.borrow.kind is BorrowKind.FORCE_RETURN
+    limit_s = 30.0 + cfg.borrowing.max_return_delay_s - profile.costs.trainer_onload_s
+    assert back.borrow.return_by_s is not None and back.borrow.return_by_s <= limit_s
+    returned = apply_plan(back.state, back.plan, 30.0)
+    assert not any(g.lent for g in returned.gpus)
+    closed = decide(returned, _busy_obs(TRAINING), cfg, profile, 40.0)
+    assert closed.state.borrow is None
+
+
+def test_forced_return_migrates_when_draining_is_too_slow(profile: RuntimeProfile) -> None:
+    cfg = PolicyConfig(
+        borrowing=BorrowingConfig(max_return_delay_s=profile.costs.trainer_onload_s + 1)
+    )
+    state = build_state(Layout(1, 1, 0))
+    lend = decide(state, _busy_obs(WAITING), cfg, profile, 10.0)
+    lent = apply_plan(lend.state, lend.plan, 10.0)
+    needs = TrainerStatus(phase=TrainerPhase.WAITING, needs_gpus=True)
+    back = decide(lent, _busy_obs(needs), cfg, profile, 30.0)
+    actions = {s.action.value for s in back.plan.steps if s.node.startswith("train")}
+    assert "migrate" in actions and "drain" not in actions
+
+
+def test_training_trainer_lends_nothing(profile: RuntimeProfile) -> None:
+    d = decide(build_state(Layout(1, 1, 0)), _obs(TRAINING), PolicyConfig(), profile, 10.0)
+    assert d.borrow.kind is BorrowKind.NONE
+
+
+def test_grant_with_a_short_window_is_released(profile: RuntimeProfile) -> None:
+    grant = AllocationGranted(
+        allocation_id="99",
+        end_by_s=15.0,
+        nodes=(GrantedNode(node="x1", gpu_type="h100", num_gpus=8),),
+    )
+    d = decide(build_state(Layout(1, 1, 0)), _obs(events=(grant,)), PolicyConfig(), profile, 10.0)
+    assert d.elastic.releases == ("99",)
+    assert not [s for s in d.plan.steps if s.node == "x1"]
+
+
+def test_grant_with_a_long_window_is_used(profile: RuntimeProfile) -> None:
+    grant = AllocationGranted(
+        allocation_id="99",
+        end_by_s=5000.0,
+        nodes=(GrantedNode(node="x1", gpu_type="h100", num_gpus=8),),
+    )
+    state = build_state(Layout(1, 1, 0))
+    d = decide(state, _busy_obs(events=(grant,)), PolicyConfig(), profile, 10.0)
+    assert d.switch.mandatory and d.elastic.releases == ()
+    assert {s.action.value for s in d.plan.steps if s.node == "x1"} == {"start"}
+
+
+def test_preemption_moves_engines_off_within_grace(profile: RuntimeProfile) -> None:
+    state = build_state(Layout(1, 1, 1))
+    ev = AllocationPreempting(allocation_id="el0000", deadline_s=40.0)
+    d = decide(state, _obs(events=(ev,)), PolicyConfig(), profile, 10.0)
+    assert d.state.allocation_by_id["el0000"].status is AllocationStatus.PREEMPTING
+    leaving = [s for s in d.plan.steps if s.node == "elas0000"]
+    assert leaving and all(10.0 + s.end_s <= 40.0 for s in leaving if s.action.value != "stop")
+    after = apply_plan(d.state, d.plan, 10.0)
+    assert not [w for w in after.workers if w.node == "elas0000" and w.active]
+
+
+def test_elastic_requests_respect_the_cap(profile: RuntimeProfile) -> None:
+    d = decide(build_state(Layout(1, 1, 1)), _obs(n=2000), PolicyConfig(), profile, 10.0)
+    assert len(d.elastic.requests) <= PolicyConfig().elastic.max_allocations - 1
+
+
+def test_unknown_policy_is_rejected(profile: RuntimeProfile) -> None:
+    with pytest.raises(UnknownName, match="policy: unknown name 'zzz'"):
+        decide(build_state(Layout(1, 1, 0)), _obs(), PolicyConfig(policy="zzz"), profile, 1.0)

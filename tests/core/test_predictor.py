@@ -1,0 +1,439 @@
+"""Batch-completion predictor: closed forms, bounds, monotonicity and the modelled effects."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from conftest import make_profile
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pearl.core.pd import InstanceSpec, PDConfig
+from pearl.core.predictor import Prediction, predict, predict_many, prepare
+from pearl.core.profile import RuntimeProfile
+from pearl.core.roles import Role
+from pearl.core.turn_model import TurnShape, engine_groups, segments, solve_cycle
+from pearl.core.workload import TrajectoryProgress, TrajPhase, TurnStats, WorkloadSnapshot
+
+O, OBS, E = 256, 256, 2.0  # the profile's per-turn defaults
+
+
+def traj(
+    i: int,
+    turns: float,
+    ctx: int = 4096,
+    phase: TrajPhase = TrajPhase.QUEUED,
+    out: int = 0,
+    env_rest_s: float = 0.0,
+) -> TrajectoryProgress:
+    return TrajectoryProgress(
+        traj_id=f"t{i}",
+        phase=phase,
+        context_tokens=ctx,
+        remaining_turns=turns,
+        turn_output_tokens=out,
+        env_remaining_s=env_rest_s,
+    )
+
+
+def batch(
+    n: int, turns: float = 4, ctx: int = 4096, env_s: float = E, obs: float = OBS
+) -> WorkloadSnapshot:
+    stats = TurnStats(
+        output_tokens_per_turn=O, observation_tokens_per_turn=obs, env_latency_s=env_s
+    )
+    return WorkloadSnapshot(trajectories=tuple(traj(i, turns, ctx) for i in range(n)), stats=stats)
+
+
+def colocated(n: int, gpu: str = "h100", tp: int = 1) -> PDConfig:
+    return PDConfig.of({InstanceSpec(Role.COLOCATED, gpu, tp): n})
+
+
+def disaggregated(p: int, d: int, gpu: str = "h100", tp: int = 1) -> PDConfig:
+    return PDConfig.of(
+        {InstanceSpec(Role.PREFILL, gpu, tp): p, InstanceSpec(Role.DECODE, gpu, tp): d}
+    )
+
+
+def constant_profile() -> RuntimeProfile:
+    """Costs that do not depend on the context, so a turn always costs the same."""
+    return make_profile(prefill_c_s_per_token2=0.0, decode_per_ctx_token_s=0.0)
+
+
+# --- closed forms -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("turns", [1, 2, 5, 12])
+def test_one_trajectory_alone_is_the_closed_form(turns: int) -> None:
+    profile = constant_profile()
+    eng = profile.engine("h100", 1)
+    assert eng is not None
+    prefill_s = eng.prefill.batch_s([OBS], [4096 - OBS])
+    step_s = float(eng.decode.step_s(1, 0))
+    p = predict(batch(1, turns), colocated(1), profile)
+    assert p.completion_s == pytest.approx(turns * (prefill_s + O * step_s + E) - E, rel=1e-12)
+    assert p.bottleneck == "latency"
+    assert p.breakdown.mean_decode_batch == 1.0
+
+
+@pytest.mark.parametrize("turns", [1, 3, 7])
+def test_one_trajectory_alone_follows_its_growing_context(turns: int) -> None:
+    profile = make_profile()  # prefill attention and decode costs grow with the context
+    eng = profile.engine("a100", 2)
+    assert eng is not None
+    total = -E
+    for j in range(turns):
+        ctx = 3000 + j * (O + OBS)  # context at the start of turn j, observation included
+        total += eng.prefill.batch_s([OBS], [ctx - OBS])
+        total += O * float(eng.decode.step_s(1, ctx + O / 2)) + E
+    p = predict(batch(1, turns, ctx=3000), colocated(1, "a100", 2), profile)
+    assert p.completion_s == pytest.approx(total, rel=1e-12)
+    assert p.breakdown.critical_path_s == pytest.approx(total, rel=1e-12)
+
+
+def test_one_disaggregated_trajectory_pays_prefill_of_output_and_kv_transfer() -> None:
+    profile = constant_profile()
+    eng = profile.engine("h100", 1)
+    assert eng is not None
+    new = OBS + O  # the prefill instance never saw the last output
+    transfer_s = profile.model.kv_bytes_per_token * new / 25e9
+    turn_s = eng.prefill.batch_s([new], [4096 - new]) + transfer_s
+    turn_s += O * float(eng.decode.step_s(1, 0)) + E
+    p = predict(batch(1, 3), disaggregated(1, 1), profile)
+    assert p.completion_s == pytest.approx(3 * turn_s - E, rel=1e-12)
+    assert p.breakdown.kv_transfer_s_per_turn == pytest.approx(transfer_s, rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("progress", "expected"),
+    [
+        pytest.param(
+            traj(0, 2, phase=TrajPhase.DECODE, out=O // 4), "3/4 decode + turn", id="decode"
+        ),
+        pytest.param(
+            traj(0, 2, phase=TrajPhase.PREFILL), "1/2 prefill + rest + turn", id="prefill"
+        ),
+        pytest.param(traj(0, 1, phase=TrajPhase.ENV, env_rest_s=0.5), "env rest + turn", id="env"),
+        pytest.param(
+            traj(0, 1, phase=TrajPhase.ENV, env_rest_s=9.0), "env rest + turn", id="env-late"
+        ),
+    ],
+)
+def test_a_trajectory_in_flight_finishes_its_current_turn_first(
+    progress: TrajectoryProgress, expected: str
+) -> None:
+    profile = constant_profile()
+    eng = profile.engine("h100", 1)
+    assert eng is not None
+    prefill_s = eng.prefill.batch_s([OBS], [4096 - OBS])
+    decode_s = O * float(eng.decode.step_s(1, 0))
+    turn_s = prefill_s + decode_s  # the last turn has no env step
+    rest_s = {
+        "3/4 decode + turn": 0.75 * decode_s + E + turn_s,
+        "1/2 prefill + rest + turn": 0.5 * prefill_s + decode_s + E + turn_s,
+        "env rest + turn": progress.env_remaining_s + turn_s,
+    }[expected]
+    p = predict(WorkloadSnapshot(trajectories=(progress,)), colocated(1), profile)
+    assert p.completion_s == pytest.approx(rest_s, rel=1e-9)
+
+
+def test_empty_workload_takes_no_time() -> None:
+    p = predict(WorkloadSnapshot(), colocated(2), make_profile())
+    assert (p.completion_s, p.bottleneck) == (0.0, "none")
+    # even with a configuration that could serve nothing
+    assert predict(WorkloadSnapshot(), PDConfig(), make_profile()).completion_s == 0.0
+
+
+def test_a_last_env_step_is_waited_for_without_any_engine() -> None:
+    last = traj(0, 0, phase=TrajPhase.ENV, env_rest_s=3.0)
+    p = predict(WorkloadSnapshot(trajectories=(last,)), PDConfig(), make_profile())
+    assert (p.completion_s, p.bottleneck) == (3.0, "latency")
+
+
+def test_not_started_trajectories_use_the_profile_defaults() -> None:
+    profile = constant_profile()
+    started = WorkloadSnapshot(trajectories=(traj(0, 4, ctx=1024),))
+    fresh = WorkloadSnapshot(not_started=1)
+    assert predict(fresh, colocated(1), profile) == predict(started, colocated(1), profile)
+
+
+# --- infeasible configurations --------------------------------------------------------------
+
+
+def _no_kv_profile() -> RuntimeProfile:
+    profile = make_profile()
+    return profile.model_copy(
+        update={"model": profile.model.model_copy(update={"weights_gb": 500})}
+    )
+
+
+@pytest.mark.parametrize(
+    ("config", "profile", "bottleneck"),
+    [
+        pytest.param(PDConfig(), make_profile(), "infeasible", id="no-instances"),
+        pytest.param(
+            PDConfig.of({InstanceSpec(Role.PREFILL, "h100", 1): 4}),
+            make_profile(),
+            "infeasible",
+            id="no-decode",
+        ),
+        pytest.param(
+            PDConfig.of({InstanceSpec(Role.DECODE, "h100", 1): 4}),
+            make_profile(),
+            "infeasible",
+            id="no-prefill",
+        ),
+        pytest.param(colocated(2, "b200"), make_profile(), "infeasible", id="unknown-gpu"),
+        pytest.param(colocated(2, "h100", 4), make_profile(), "infeasible", id="unprofiled-tp"),
+        pytest.param(colocated(2), _no_kv_profile(), "infeasible", id="zero-kv"),
+        pytest.param(
+            colocated(2),
+            make_profile(kv_capacity_tokens=2000),
+            "kv_capacity",
+            id="context-fits-nowhere",
+        ),
+    ],
+)
+def test_a_configuration_that_cannot_serve_predicts_inf(
+    config: PDConfig, profile: RuntimeProfile, bottleneck: str
+) -> None:
+    p = predict(batch(8), config, profile)
+    assert math.isinf(p.completion_s)
+    assert p.bottleneck == bottleneck
+
+
+# --- bounds and the modelled effects ----------------------------------------------------------
+
+
+def test_adding_gpus_has_diminishing_returns_once_the_critical_path_dominates() -> None:
+    profile = make_profile()
+    work = batch(256, turns=6)
+    times = [predict(work, colocated(n), profile).completion_s for n in (1, 2, 4, 8, 16, 32, 64)]
+    speedups = [a / b for a, b in zip(times, times[1:], strict=False)]
+    assert all(s >= 1.0 for s in speedups)
+    assert speedups[0] > 1.8  # throughput-bound: doubling nearly halves the time
+    assert speedups[-1] < 1.2  # latency-bound: the critical path dominates
+    assert all(b <= a + 1e-12 for a, b in zip(speedups, speedups[1:], strict=False))
+    alone = predict(work, colocated(64), profile)
+    assert alone.completion_s <= 1.2 * alone.breakdown.critical_path_s
+
+
+def test_huge_contexts_make_the_kv_cache_the_bottleneck() -> None:
+    profile = make_profile(kv_capacity_tokens=100_000)
+    work = batch(256, turns=4, ctx=20_000, env_s=0.0)
+    for config in (disaggregated(8, 4), colocated(8)):
+        p = predict(work, config, profile)
+        assert p.bottleneck == "kv_capacity", config.label()
+        assert p.breakdown.prefix_hit_rate < 0.5
+        assert p.breakdown.mean_decode_batch <= 100_000 / 20_000 + 1e-9
+
+
+def test_decode_slots_are_capped_by_max_num_seqs() -> None:
+    p = predict(batch(512, env_s=0.0), disaggregated(8, 1), make_profile(max_num_seqs=32))
+    assert p.breakdown.mean_decode_batch == pytest.approx(32.0)
+    assert p.bottleneck == "decode"
+
+
+def test_env_time_lowers_the_decode_batch() -> None:
+    profile = make_profile()
+    busy = predict(batch(256, env_s=0.0), colocated(4), profile)
+    waiting = predict(batch(256, env_s=10.0), colocated(4), profile)
+    assert waiting.breakdown.mean_decode_batch < 0.7 * busy.breakdown.mean_decode_batch
+    assert waiting.breakdown.env_share > 0.3
+    assert busy.breakdown.env_share == 0.0
+
+
+def test_disaggregated_pays_kv_transfer() -> None:
+    work = batch(64)
+    fast = predict(work, disaggregated(2, 2), make_profile(kv_transfer_gb_per_s=50.0))
+    slow = predict(work, disaggregated(2, 2), make_profile(kv_transfer_gb_per_s=0.5))
+    assert slow.completion_s > fast.completion_s
+    assert slow.breakdown.kv_transfer_s_per_turn > 50 * fast.breakdown.kv_transfer_s_per_turn
+    assert predict(work, colocated(4), make_profile()).breakdown.kv_transfer_s_per_turn == 0.0
+
+
+def test_a_slow_kv_link_becomes_the_bottleneck() -> None:
+    p = predict(batch(512, env_s=0.0), disaggregated(4, 4), make_profile(kv_transfer_gb_per_s=0.05))
+    assert p.bottleneck == "kv_transfer"
+
+
+def test_heavier_prefill_slows_colocated_decode_more_than_disaggregated() -> None:
+    profile = make_profile()
+
+    def decode_slowdown(config: PDConfig) -> float:
+        light = predict(batch(256, obs=64), config, profile).breakdown.decode_s_per_turn
+        heavy = predict(batch(256, obs=4096), config, profile).breakdown.decode_s_per_turn
+        return heavy / light
+
+    assert decode_slowdown(colocated(8)) > 1.2 * decode_slowdown(disaggregated(4, 4))
+
+
+def test_a_starved_prefill_pool_is_the_bottleneck() -> None:
+    p = predict(batch(256, obs=8192, env_s=0.0), disaggregated(1, 8, "a100"), make_profile())
+    assert p.bottleneck == "prefill"
+    assert p.breakdown.prefill_utilisation > 0.9
+
+
+def test_mixed_gpu_types_fall_between_the_pure_configurations() -> None:
+    profile = make_profile()
+    work = batch(256)
+    fast = predict(work, disaggregated(2, 4, "h100"), profile).completion_s
+    slow = predict(work, disaggregated(2, 4, "a100"), profile).completion_s
+    mixed = PDConfig.of(
+        {
+            InstanceSpec(Role.PREFILL, "h100", 1): 1,
+            InstanceSpec(Role.PREFILL, "a100", 1): 1,
+            InstanceSpec(Role.DECODE, "h100", 1): 2,
+            InstanceSpec(Role.DECODE, "a100", 1): 2,
+        }
+    )
+    assert fast < predict(work, mixed, profile).completion_s < slow
+
+
+def test_predict_many_equals_predict_per_configuration() -> None:
+    profile = make_profile()
+    work = _mixed_workload(np.random.default_rng(7), 200)
+    configs = [
+        colocated(4),
+        disaggregated(2, 6),
+        colocated(2, "a100", 2),
+        PDConfig(),
+        disaggregated(1, 1),
+    ]
+    assert predict_many(work, configs, profile) == [predict(work, c, profile) for c in configs]
+
+
+# --- the decode-batch fixed point -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("env_s", [0.0, 0.5, 5.0])
+@pytest.mark.parametrize("config", [colocated(4), disaggregated(2, 3, "a100", 2)], ids=["C", "PD"])
+def test_the_decode_batch_is_a_fixed_point(config: PDConfig, env_s: float) -> None:
+    profile = make_profile()
+    groups = engine_groups(config, profile)
+    assert groups is not None
+    num_live = np.array([1.0, 2, 16, 64, 256, 1024, 4096])
+    ctx = np.full_like(num_live, 6000.0)
+    seg = segments(
+        TurnShape(O, OBS, env_s), num_live, ctx, np.full_like(num_live, env_s), groups.disaggregated
+    )
+    cyc = solve_cycle(groups, TurnShape(O, OBS, env_s), seg)
+    num_dec = config.count(Role.DECODE) or config.count(Role.COLOCATED)
+    b_max = min(
+        256.0,
+        profile.kv_capacity_tokens(config.instances[-1][0].gpu_type, config.instances[-1][0].tp)
+        / (6000 + O / 2),
+    )
+    implied = 1 + (num_live - 1) * cyc.decode_s / (cyc.cycle_s * num_dec)
+    np.testing.assert_allclose(cyc.decode_batch, np.clip(implied, 1, b_max), rtol=1e-9)
+    assert cyc.decode_batch[0] == 1.0
+    more = solve_cycle(groups, TurnShape(O, OBS, env_s), seg, num_iterations=30)
+    np.testing.assert_allclose(cyc.cycle_s, more.cycle_s, rtol=1e-9)
+
+
+# --- properties ---------------------------------------------------------------------------------
+
+
+def _mixed_workload(rng: np.random.Generator, n: int, env_s: float = E) -> WorkloadSnapshot:
+    phases = list(TrajPhase)
+    trajs = []
+    for i in range(n):
+        phase = phases[int(rng.integers(len(phases)))]
+        trajs.append(
+            traj(
+                i,
+                float(rng.integers(1, 9)),
+                int(rng.integers(500, 20_000)),
+                phase,
+                int(rng.integers(0, O)) if phase is TrajPhase.DECODE else 0,
+                float(rng.uniform(0, 2 * env_s)) if phase is TrajPhase.ENV else 0.0,
+            )
+        )
+    stats = TurnStats(
+        output_tokens_per_turn=O, observation_tokens_per_turn=OBS, env_latency_s=env_s
+    )
+    return WorkloadSnapshot(
+        trajectories=tuple(trajs), not_started=int(rng.integers(0, 20)), stats=stats
+    )
+
+
+PROFILE = make_profile()
+SMALL_KV = make_profile(kv_capacity_tokens=150_000)
+workloads = st.builds(
+    _mixed_workload,
+    st.integers(0, 2**32 - 1).map(np.random.default_rng),
+    st.integers(1, 300),
+    st.sampled_from([0.0, 0.3, 2.0, 15.0]),
+)
+profiles = st.sampled_from([PROFILE, SMALL_KV])
+gpus = st.sampled_from([("h100", 1), ("h100", 2), ("a100", 1)])
+SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _check(p: Prediction) -> None:
+    assert p.completion_s >= p.breakdown.critical_path_s >= 0.0
+    assert p.completion_s >= p.breakdown.throughput_bound_s * (1 - 1e-9) or math.isinf(
+        p.completion_s
+    )
+
+
+@SETTINGS
+@given(workloads, profiles, gpus, st.integers(1, 8), st.integers(1, 16))
+def test_more_decode_instances_are_never_slower(
+    work: WorkloadSnapshot, profile: RuntimeProfile, gpu: tuple[str, int], p: int, d: int
+) -> None:
+    before = predict(work, disaggregated(p, d, *gpu), profile)
+    after = predict(work, disaggregated(p, d + 1, *gpu), profile)
+    _check(before)
+    _check(after)
+    assert after.completion_s <= before.completion_s * (1 + 1e-9)
+
+
+@SETTINGS
+@given(workloads, profiles, gpus, st.integers(1, 16))
+def test_more_colocated_instances_are_never_slower(
+    work: WorkloadSnapshot, profile: RuntimeProfile, gpu: tuple[str, int], c: int
+) -> None:
+    before = predict(work, colocated(c, *gpu), profile)
+    after = predict(work, colocated(c + 1, *gpu), profile)
+    assert after.completion_s <= before.completion_s * (1 + 1e-9)
+
+
+@SETTINGS
+@given(workloads, profiles, st.integers(1, 8), st.data())
+def test_more_remaining_turns_are_never_faster(
+    work: WorkloadSnapshot, profile: RuntimeProfile, c: int, data: st.DataObject
+) -> None:
+    i = data.draw(st.integers(0, len(work.trajectories) - 1))
+    extra = data.draw(st.sampled_from([0.5, 1.0, 3.0]))
+    t = work.trajectories[i]
+    longer = t.model_copy(update={"remaining_turns": t.remaining_turns + extra})
+    trajs = work.trajectories[:i] + (longer,) + work.trajectories[i + 1 :]
+    more = work.model_copy(update={"trajectories": trajs})
+    for config in (colocated(c), disaggregated(c, 2 * c)):
+        assert predict(more, config, profile).completion_s >= predict(
+            work, config, profile
+        ).completion_s * (1 - 1e-9)
+
+
+@SETTINGS
+@given(workloads, profiles, st.integers(1, 8), st.sampled_from([0.1, 1.0, 10.0]))
+def test_longer_env_latency_is_never_faster(
+    work: WorkloadSnapshot, profile: RuntimeProfile, c: int, extra_s: float
+) -> None:
+    assert work.stats is not None
+    slower_env = work.stats.model_copy(update={"env_latency_s": work.stats.env_latency_s + extra_s})
+    slower = work.model_copy(update={"stats": slower_env})
+    for config in (colocated(c), disaggregated(c, 2 * c)):
+        assert predict(slower, config, profile).completion_s >= predict(
+            work, config, profile
+        ).completion_s * (1 - 1e-9)
+
+
+def test_prepare_is_shared_and_does_not_depend_on_the_configuration() -> None:
+    work = _mixed_workload(np.random.default_rng(3), 300)
+    prepared = prepare(work, PROFILE)
+    assert prepared.num_trajectories == len(work.trajectories) + work.not_started
+    assert prepared.remaining_turns.size <= prepared.num_trajectories

@@ -1,0 +1,110 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pearl.core.config import SelectionConfig
+from pearl.core.pd import GpuBudget, PDMode, fits
+from pearl.core.profile import RuntimeProfile
+from pearl.core.roles import Role
+from pearl.core.selection import prefill_advantage, select_pd
+from pearl.core.workload import WorkloadSnapshot
+from pearl.io.documents import load_profile
+from pearl.synth import build_workload
+
+
+@pytest.fixture(scope="module")
+def qwen8b() -> RuntimeProfile:
+    return load_profile("qwen3-8b")
+
+
+@pytest.fixture(scope="module")
+def qwen30b() -> RuntimeProfile:
+    return load_profile("qwen3-30b-a3b")
+
+
+def _workload(n: int, seed: int = 0, **kw: float) -> WorkloadSnapshot:
+    return build_workload(np.random.default_rng(seed), n, **kw)
+
+
+def test_candidates_fit_the_budget(qwen8b: RuntimeProfile) -> None:
+    budget = GpuBudget.of({"h100": [8, 8, 4], "h800": [8]})
+    sel = select_pd(_workload(64), budget, qwen8b, SelectionConfig(top_k=1000))
+    assert sel.exhaustive and sel.num_evaluated == len(sel.ranked)
+    for cand in sel.ranked:
+        for gpu_type, used in cand.config.gpus_by_type().items():
+            assert used <= budget.num_gpus(gpu_type)
+            tps = [
+                s.tp for s, n in cand.config.instances if s.gpu_type == gpu_type for _ in range(n)
+            ]
+            assert fits(budget.node_sizes(gpu_type), tps)
+
+
+def test_ranked_best_first_and_deterministic(qwen8b: RuntimeProfile) -> None:
+    budget = GpuBudget.of({"h100": [8] * 4})
+    a = select_pd(_workload(128), budget, qwen8b, SelectionConfig())
+    b = select_pd(_workload(128), budget, qwen8b, SelectionConfig())
+    times = [c.completion_s for c in a.ranked]
+    assert times == sorted(times)
+    assert a == b
+
+
+def test_every_split_is_enumerated_on_a_small_budget(qwen8b: RuntimeProfile) -> None:
+    budget = GpuBudget.of({"h100": [8]})
+    sel = select_pd(_workload(32), budget, qwen8b, SelectionConfig(top_k=1000))
+    splits = {
+        (c.config.count(Role.PREFILL), c.config.count(Role.DECODE))
+        for c in sel.ranked
+        if c.config.mode is PDMode.DISAGGREGATED
+    }
+    tp1 = {(p, d) for p, d in splits if p + d == 8}
+    assert tp1 == {(p, 8 - p) for p in range(1, 8)}
+    assert any(c.config.mode is PDMode.COLOCATED for c in sel.ranked)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("env_heavy", [False, True], ids=["env-light", "env-heavy"])
+def test_search_finds_what_exhaustive_finds(
+    qwen8b: RuntimeProfile, seed: int, env_heavy: bool
+) -> None:
+    budget = GpuBudget.of({"h100": [8] * 12})
+    workload = _workload(400, seed, mean_turns=30.0 if env_heavy else 6.0)
+    full = select_pd(workload, budget, qwen8b, SelectionConfig(exhaustive_limit=10_000))
+    fast = select_pd(workload, budget, qwen8b, SelectionConfig(exhaustive_limit=1))
+    assert full.exhaustive and not fast.exhaustive
+    assert fast.num_evaluated < full.num_evaluated / 4
+    assert fast.best.completion_s <= full.best.completion_s * 1.01
+
+
+def test_heterogeneous_prefill_goes_where_it_runs_best(qwen30b: RuntimeProfile) -> None:
+    assert prefill_advantage(qwen30b, "h800") > prefill_advantage(qwen30b, "h20")
+    budget = GpuBudget.of({"h800": [8, 8], "h20": [8, 8]})
+    sel = select_pd(_workload(256), budget, qwen30b, SelectionConfig(top_k=1000))
+    for cand in sel.ranked:
+        if cand.config.mode is not PDMode.DISAGGREGATED:
+            continue
+        tp_p = next(s.tp for s, _ in cand.config.instances if s.role is Role.PREFILL)
+        if tp_p not in qwen30b.feasible_tps("h800"):
+            continue  # this prefill degree cannot run on h800 at all
+        on_h20 = sum(
+            n for s, n in cand.config.instances if s.role is Role.PREFILL and s.gpu_type == "h20"
+        )
+        spare_h800 = sum(
+            s.tp * n
+            for s, n in cand.config.instances
+            if s.role is Role.DECODE and s.gpu_type == "h800"
+        )
+        assert not (on_h20 and spare_h800), cand.config.label()
+
+
+def test_unknown_gpu_type_is_noted_not_used(qwen8b: RuntimeProfile) -> None:
+    sel = select_pd(
+        _workload(16), GpuBudget.of({"h100": [8], "tpu": [8]}), qwen8b, SelectionConfig()
+    )
+    assert "tpu" not in sel.best.config.gpus_by_type()
+    assert any("tpu" in n for n in sel.notes)
+
+
+def test_empty_budget_gives_an_infeasible_best(qwen8b: RuntimeProfile) -> None:
+    sel = select_pd(_workload(16), GpuBudget.of({}), qwen8b, SelectionConfig())
+    assert sel.best.completion_s == float("inf")

@@ -1,0 +1,75 @@
+"""The decision core and the simulator import nothing from the shell (ARCHITECTURE.md)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PURE_PACKAGES = ["pearl/core", "pearl/sim"]
+ALLOWED_ROOTS = {"pearl", "numpy", "scipy", "pydantic", "__future__"} | {
+    # stdlib modules that do no I/O, spawn nothing and read no clock
+    "abc",
+    "bisect",
+    "collections",
+    "dataclasses",
+    "enum",
+    "functools",
+    "heapq",
+    "itertools",
+    "math",
+    "operator",
+    "re",
+    "statistics",
+    "typing",
+    "types",
+    "fractions",
+    "decimal",
+}
+SHELL_PREFIXES = (
+    "pearl.cli",
+    "pearl.io",
+    "pearl.bench",
+    "pearl.synth",
+    "pearl.cluster",
+    "pearl.control",
+    "pearl.engines",
+    "pearl.coordinator",
+)
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.lineno, node.module))
+    return found
+
+
+def _pure_files() -> list[Path]:
+    return [p for pkg in PURE_PACKAGES if (ROOT / pkg).is_dir() for p in (ROOT / pkg).rglob("*.py")]
+
+
+def test_there_is_a_core_to_check() -> None:
+    assert len(_pure_files()) >= 10
+
+
+@pytest.mark.parametrize("path", _pure_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_pure_packages_import_only_allowed_modules(path: Path) -> None:
+    for lineno, module in _imports(path):
+        root = module.split(".")[0]
+        where = f"{path.relative_to(ROOT)}:{lineno} imports {module}"
+        assert root in ALLOWED_ROOTS, where
+        assert not module.startswith(SHELL_PREFIXES), where
+
+
+def test_the_check_catches_a_forbidden_import(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text("import subprocess\nfrom mpi4py import MPI\nimport time\n")
+    roots = {m.split(".")[0] for _, m in _imports(bad)}
+    assert roots - ALLOWED_ROOTS == {"subprocess", "mpi4py", "time"}
