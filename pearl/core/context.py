@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from pearl.core.config import PolicyConfig
 from pearl.core.observation import Observation
@@ -31,7 +32,7 @@ class DecisionContext:
     now_s: float
     _selections: dict[tuple[GpuBudget, bool], Selection] = field(default_factory=dict)
 
-    @property
+    @cached_property
     def current_config(self) -> PDConfig:
         return config_of(self.state)
 

@@ -108,13 +108,28 @@ def instance_slots(node_sizes: Iterable[int], tp: int) -> int:
 
 
 def fits(node_sizes: tuple[int, ...], tps: Iterable[int]) -> bool:
-    """Whether instances of the given TP degrees pack onto the nodes (largest first)."""
-    free = list(node_sizes)
-    for tp in sorted(tps, reverse=True):
-        best = min((i for i, f in enumerate(free) if f >= tp), key=lambda i: free[i], default=None)
-        if best is None:
-            return False
-        free[best] -= tp
+    """Whether instances of the given TP degrees pack onto the nodes.
+
+    Largest degree first, best fit: the smallest node with room. Best fit keeps filling
+    the node it chose until it is too small, so nodes of equal free size are filled as
+    a group (cost independent of the instance count).
+    """
+    free = Counter(node_sizes)
+    for tp, count in sorted(Counter(tps).items(), reverse=True):
+        while count > 0:
+            size = min((f for f, k in free.items() if k > 0 and f >= tp), default=None)
+            if size is None:
+                return False
+            per_node = size // tp
+            nodes = free.pop(size)
+            full = min(nodes, count // per_node)
+            count -= full * per_node
+            free[size - per_node * tp] += full
+            if full < nodes and count > 0:  # one node takes the rest
+                free[size - count * tp] += 1
+                count, full = 0, full + 1
+            if nodes > full:
+                free[size] += nodes - full
     return True
 
 

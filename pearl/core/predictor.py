@@ -1,34 +1,38 @@
 """Batch-completion predictor: time until every unfinished trajectory of the batch ends.
 
-A fluid, time-stepped aggregate model (equations and assumptions in ``docs/predictor.md``):
+A fluid aggregate model, not a per-request simulation (equations, assumptions and blind
+spots in ``docs/predictor.md``):
 
-1. Each unfinished trajectory i becomes an amount of remaining work r_i in turn cycles
-   (prefill, decode, env; see ``turn_model``). With ``R`` its remaining turns and
-   ``s_p, s_d, s_e`` the prefill (+ KV transfer), decode and env shares of the cycle
-   with every trajectory live:
-   queued ``R``; prefill ``R - s_p/2``; decode with ``k`` of ``o`` tokens out
-   ``R - s_p - min(k/o, 1) s_d``; env (``R`` = turns after the tool call)
-   ``R + min(rest/e, 1) s_e``. An env step past its mean (rest > e) and trajectories
-   with no turn left after their env step only enter the critical path.
-2. All live trajectories advance at the same rate 1/T(N) turns per second, N live. With
-   r sorted, N is constant between finishes, so the fluid ODE solves exactly to
+1. A live trajectory repeats a turn cycle of time T(N) with N trajectories live:
+   [wait | prefill + KV transfer | decode | env] (``turn_model``; the wait is the time
+   beyond its own latency when capacity binds). Each unfinished trajectory becomes a
+   position r_i in turns: its remaining turns R (queued: R; prefill: R less the wait and
+   half the prefill; decode with k of o tokens out: R less wait, prefill and k/o of the
+   decode; env, R counting the turns after it: R plus the rest of the env step), the
+   parts converted to turns with the cycle when every trajectory is live. An env step
+   past its mean, and trajectories with no turn after their env step, only enter the
+   critical path.
+2. All live trajectories advance at 1/T(N) turns per second. With r sorted, N is
+   constant between finishes, so the fluid ODE solves exactly to
    ``sum_k (r_(k) - r_(k-1)) T(N_k)``; T(N_k) uses the mean turn-start context of the
-   live trajectories at the segment's midpoint progress, growing by ``o + obs`` a turn.
-3. The longest trajectory's last turn has no env step: over the last ``e`` seconds of
-   the fluid timeline, each segment saves ``(T - T_no_env) / e`` of its time.
-4. ``completion_s = max(fluid, critical path)``, the critical path being the longest
-   trajectory served alone (N = 1, batch 1, no contention).
+   live trajectories (and its variance) at the segment's midpoint, growing o + obs a turn.
+3. The last turn has no env step: each trajectory ends earlier by the env time the fluid
+   added over its last turn (e where latency binds, nothing where capacity binds).
+4. ``completion_s = max(fluid, critical path)``; the critical path is the longest
+   remaining trajectory served alone (N = 1, batch 1, no contention).
 
-Per-workload work (columns, sorting, cumulative sums, the segment arrays) is done once by
-``prepare``; each configuration then costs one vectorised ``solve_cycle`` over all its
-segments. The sort order is computed with reference shares from the profile, so it does
-not depend on the configuration; a configuration's shares can reorder positions by at
-most one turn, and such inversions are flattened (running maximum) rather than re-sorted.
+``prepare`` does the per-workload work once (columns, sort, cumulative sums, segment
+arrays); each configuration then costs one vectorised ``solve_cycle``. The sort uses
+reference shares of an uncontended turn, so it does not depend on the configuration;
+where a configuration's shares reorder positions (possible only between trajectories
+whose remaining turns differ by a fraction of a turn), the inversion is flattened by a
+running maximum instead of re-sorting.
 
 Invariants (asserted by ``tests/core/test_predictor.py``): ``completion_s >=
-critical_path_s >= 0``; an empty workload predicts 0 with bottleneck "none"; a
-configuration that cannot serve the workload predicts ``inf``; one trajectory alone
-predicts ``turns * (prefill + o * step(1) + e) - e``; ``predict_many`` equals ``predict``
+critical_path_s >= 0`` and ``completion_s >= throughput_bound_s``; an empty workload
+predicts 0 with bottleneck "none"; a configuration that cannot serve the workload
+predicts ``inf``; one queued trajectory alone predicts
+``turns * (prefill + o * step(1) + e) - e`` exactly; ``predict_many`` equals ``predict``
 configuration by configuration.
 """
 
@@ -59,9 +63,6 @@ _PHASES = list(TrajPhase)
 _PREFILL = _PHASES.index(TrajPhase.PREFILL)
 _DECODE = _PHASES.index(TrajPhase.DECODE)
 _ENV = _PHASES.index(TrajPhase.ENV)
-# Positions under a configuration's shares differ from the reference ones by < 1 turn, so
-# the last e seconds (at most one turn of progress, as T >= e) lie in this reference tail.
-_TAIL_TURNS = 3.0
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,8 @@ _EMPTY = PredictionBreakdown(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0
 
 @dataclass(frozen=True)
 class Prediction:
+    """Predicted completion of the unfinished batch under one PD configuration."""
+
     completion_s: float  # time until the batch completes; inf if the config cannot serve it
     bottleneck: str  # prefill, decode, kv_capacity, kv_transfer, latency, none, infeasible
     breakdown: PredictionBreakdown
@@ -114,9 +117,8 @@ class PreparedWorkload:
     coef_decode: F64
     coef_env: F64
     overrun_s: F64  # longest env time beyond e among the segment's trajectories
-    tail: NDArray[np.intp]  # segments that may hold the last e seconds
     # Inputs of the one solve_cycle call per configuration (colocated, disaggregated):
-    # [segments | tail segments without env | each segment's longest trajectory alone].
+    # [segments | segments without env step (if e > 0) | each segment's longest alone].
     stacked: tuple[Segments, Segments]
 
 
@@ -150,28 +152,33 @@ def prepare(workload: WorkloadSnapshot, profile: RuntimeProfile) -> PreparedWork
     turns, coef_p, coef_d, coef_e = turns[order], coef_p[order], coef_d[order], coef_e[order]
     r_ref, ctx0, overrun = r_ref[order], ctx0[order], overrun[order]
     n = len(turns)
+    keys = np.stack([turns, coef_p, coef_d, coef_e], axis=1)
     first = np.ones(n, dtype=bool)
-    first[1:] = (
-        (np.diff(turns) != 0)
-        | (np.diff(coef_p) != 0)
-        | (np.diff(coef_d) != 0)
-        | (np.diff(coef_e) != 0)
-    )
+    first[1:] = (keys[1:] != keys[:-1]).any(axis=1)  # a new position starts a segment
     starts = np.flatnonzero(first)
     num_live = (n - starts).astype(float)
     growth = turn.growth_tokens
     r_seg = r_ref[starts]
     mid = 0.5 * (np.concatenate([[0.0], r_seg[:-1]]) + r_seg)
-    # The turn covering progress x started at about x - 1/2 (exact for whole turns).
-    ctx_seg = np.cumsum(ctx0[::-1])[::-1][starts] / num_live + growth * (mid - 0.5)
-    ctx_alone = (
-        np.maximum.reduceat(ctx0, starts) + growth * (0.5 * r_seg - 0.5) if n else np.zeros(0)
-    )
-    tail = np.flatnonzero(r_seg > r_seg[-1] - _TAIL_TURNS) if n and e > 0 else np.zeros(0, int)
-    num_seg = len(starts)
-    num_live_all = np.concatenate([num_live, num_live[tail], np.ones(num_seg)])
-    ctx_all = np.concatenate([ctx_seg, ctx_seg[tail], ctx_alone])
-    env_all = np.concatenate([np.full(num_seg, e), np.zeros(len(tail)), np.full(num_seg, e)])
+    # Turn j of trajectory i covers progress [x_i + j, x_i + j + 1), x_i = r_i - R_i, with
+    # context ctx0_i + j * growth: on average ctx0_i + growth * (x - x_i - 1/2) at x.
+    ctx_at_0 = ctx0 - growth * (r_ref - turns)
+    mean_at_0 = np.cumsum(ctx_at_0[::-1])[::-1][starts] / num_live
+    mean_sq_at_0 = np.cumsum(ctx_at_0[::-1] ** 2)[::-1][starts] / num_live
+    ctx_seg = mean_at_0 + growth * (mid - 0.5)
+    # Spread across the live trajectories, and along the segment (uniform in progress).
+    width = _steps(r_seg)
+    var_seg = mean_sq_at_0 - mean_at_0**2 + (growth * width) ** 2 / 12
+    # Alone, a trajectory's R turns start at ctx0 + j * growth, j = 0 .. R - 1.
+    turns_seg = turns[starts]
+    ctx_alone = np.maximum.reduceat(ctx0, starts) + growth * 0.5 * (turns_seg - 1) if n else ctx0
+    var_alone = growth**2 * np.maximum(turns_seg**2 - 1, 0.0) / 12
+    no_env = [num_live] if e > 0 else []
+    num_live_all = np.concatenate([num_live, *no_env, np.ones(len(starts))])
+    ctx_all = np.concatenate([ctx_seg, *(ctx_seg for _ in no_env), ctx_alone])
+    var_all = np.concatenate([var_seg, *(var_seg for _ in no_env), var_alone])
+    env_all = np.concatenate([np.full(len(starts), e), *(0 * x for x in no_env)])
+    env_all = np.concatenate([env_all, np.full(len(starts), e)])
     return PreparedWorkload(
         profile=profile,
         turn=turn,
@@ -183,10 +190,9 @@ def prepare(workload: WorkloadSnapshot, profile: RuntimeProfile) -> PreparedWork
         coef_decode=coef_d[starts],
         coef_env=coef_e[starts],
         overrun_s=np.maximum.reduceat(overrun, starts) if n else np.zeros(0),
-        tail=tail,
         stacked=(
-            segments(turn, num_live_all, ctx_all, env_all, disaggregated=False),
-            segments(turn, num_live_all, ctx_all, env_all, disaggregated=True),
+            segments(turn, num_live_all, ctx_all, var_all, env_all, disaggregated=False),
+            segments(turn, num_live_all, ctx_all, var_all, env_all, disaggregated=True),
         ),
     )
 
@@ -201,33 +207,23 @@ def predict_prepared(w: PreparedWorkload, config: PDConfig) -> Prediction:
     if groups is None:
         return Prediction(math.inf, "infeasible", _with_critical(math.inf))
     cyc = solve_cycle(groups, w.turn, w.stacked[groups.disaggregated])
-    num_seg, num_tail, e = len(w.remaining_turns), len(w.tail), w.turn.env_s
-    seg, tail, alone = (
-        slice(0, num_seg),
-        slice(num_seg, num_seg + num_tail),
-        slice(num_seg + num_tail, None),
-    )
+    num_seg, e = len(w.remaining_turns), w.turn.env_s
+    seg, alone = slice(0, num_seg), slice(-num_seg, None)
     cycle_s = cyc.cycle_s[seg]
-    if not np.isfinite(cycle_s).all():  # some context fits no decode instance
+    if not np.isfinite(cyc.cycle_s).all():  # some context fits no decode instance
         return Prediction(math.inf, "kv_capacity", _with_critical(math.inf))
 
-    # Positions in turns, with the shares of the cycle when every trajectory is live.
     # Positions in turns, from the parts of the cycle when every trajectory is live.
-    offset_s = _offset_s(w, cyc, seg)
-    r = w.remaining_turns + offset_s / cycle_s[0]
-    r = np.maximum.accumulate(np.maximum(r, 0.0))
-    dr = r.copy()
-    dr[1:] -= r[:-1]
+    r = np.maximum.accumulate(
+        np.maximum(w.remaining_turns + _offset_s(w, cyc, seg) / cycle_s[0], 0.0)
+    )
+    with_env_s = float(_steps(r) @ cycle_s)
+    if e > 0:
+        r = _skip_last_env(r, cycle_s, cyc.cycle_s[num_seg : 2 * num_seg])
+    dr = _steps(r)
     seg_s = dr * cycle_s
-    total_s = float(seg_s.sum())
-
-    saving_s = 0.0
-    if num_tail:
-        after_s = total_s - np.cumsum(seg_s)[w.tail]  # fluid time after each tail segment
-        overlap_s = np.minimum(np.maximum(e - after_s, 0.0), seg_s[w.tail])
-        saved = np.minimum(np.maximum(cycle_s[w.tail] - cyc.cycle_s[tail], 0.0) / e, 1.0)
-        saving_s = float(overlap_s @ saved)
-    fluid_s = total_s - saving_s
+    fluid_s = float(seg_s.sum())
+    saving_s = with_env_s - fluid_s
 
     critical = w.remaining_turns * cyc.cycle_s[alone] + _offset_s(w, cyc, alone) - e
     critical += w.overrun_s
@@ -238,7 +234,7 @@ def predict_prepared(w: PreparedWorkload, config: PDConfig) -> Prediction:
     else:
         by_bound = np.bincount(cyc.bound[seg], weights=seg_s, minlength=len(BOUND_NAMES))
         bottleneck = BOUND_NAMES[int(by_bound.argmax())]
-    weights = seg_s / total_s if total_s > 0 else np.full(num_seg, 1.0 / num_seg)
+    weights = seg_s / fluid_s if fluid_s > 0 else np.full(num_seg, 1.0 / num_seg)
     per_segment = (
         cyc.decode_batch,
         cyc.decode_slot_use,
@@ -247,7 +243,6 @@ def predict_prepared(w: PreparedWorkload, config: PDConfig) -> Prediction:
         cyc.decode_s,
         cyc.transfer_s,
         cyc.prefix_hit,
-        cyc.throughput_s,
     )
     means = (np.stack(per_segment)[:, seg] @ weights).tolist()
     breakdown = PredictionBreakdown(
@@ -281,6 +276,29 @@ def predict_many(
     """``predict`` for each configuration, preparing the workload once."""
     prepared = prepare(workload, profile)
     return [predict_prepared(prepared, c) for c in configs]
+
+
+def _steps(r: F64) -> F64:
+    """Segment widths of sorted positions."""
+    dr = r.copy()
+    dr[1:] -= r[:-1]
+    return dr
+
+
+def _skip_last_env(r: F64, cycle_s: F64, no_env_cycle_s: F64) -> F64:
+    """Positions moved earlier by the env time the fluid added over each last turn.
+
+    Over progress [0, x] the env steps add F(x) = integral of (T - T_no_env): e a turn
+    when latency binds, nothing when capacity binds. A trajectory ending at r has no env
+    step in its last turn [r - 1, r], so it ends F(r) - F(r - 1) seconds earlier.
+    """
+    gap_s = np.maximum(cycle_s - no_env_cycle_s, 0.0)
+    ends = np.concatenate([[0.0], r])
+    added = np.concatenate([[0.0], np.cumsum(_steps(r) * gap_s)])
+    start = r - 1.0  # before now, the first segment's gap continues backwards
+    at_start = np.where(start >= 0.0, np.interp(start, ends, added), start * gap_s[0])
+    skip = (added[1:] - at_start) / cycle_s
+    return np.maximum.accumulate(np.maximum(r - np.minimum(skip, 1.0), 0.0))
 
 
 def _offset_s(w: PreparedWorkload, cyc: Cycle, part: slice) -> F64:

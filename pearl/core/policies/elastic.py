@@ -31,7 +31,15 @@ _LIVE = (AllocationStatus.PENDING, AllocationStatus.GRANTED, AllocationStatus.PR
 def marginal_gain_rule(ctx: DecisionContext) -> ElasticAction:
     cfg = ctx.cfg.elastic
     elastic = [a for a in ctx.state.allocations if a.kind is AllocationKind.ELASTIC]
-    unused = tuple(a.allocation_id for a in elastic if _not_worth_it(ctx, a))
+    hosting = {
+        ctx.state.gpu_by_id[gid].allocation_id
+        for w in ctx.state.workers
+        if w.active
+        for gid in w.gpu_ids
+    }
+    unused = tuple(
+        a.allocation_id for a in elastic if a.allocation_id not in hosting and _too_short(ctx, a)
+    )
     live = [a for a in elastic if a.status in _LIVE and a.allocation_id not in unused]
     room = cfg.max_allocations - len(live)
     if room <= 0 or ctx.obs.workload.num_unfinished == 0 or cfg.gpu_type not in ctx.profile.gpus:
@@ -65,12 +73,9 @@ def marginal_gain_rule(ctx: DecisionContext) -> ElasticAction:
     )
 
 
-def _not_worth_it(ctx: DecisionContext, a: Allocation) -> bool:
-    """A granted allocation with no engines whose window is too short for a cold start."""
+def _too_short(ctx: DecisionContext, a: Allocation) -> bool:
+    """A granted allocation whose window is too short to pay for a cold start."""
     if a.status is not AllocationStatus.GRANTED:
-        return False
-    on_it = {g.gpu_id for g in ctx.state.gpus if g.allocation_id == a.allocation_id}
-    if any(w.active and on_it.intersection(w.gpu_ids) for w in ctx.state.workers):
         return False
     cfg = ctx.cfg.elastic
     end_s = (
