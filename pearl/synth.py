@@ -12,6 +12,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pearl.core.apply import apply_plan
+from pearl.core.config import PolicyConfig
+from pearl.core.decide import decide
+from pearl.core.observation import Observation
+from pearl.core.profile import RuntimeProfile
 from pearl.core.roles import GpuSource, Phase, Role, WorkerKind
 from pearl.core.state import (
     Allocation,
@@ -148,3 +153,24 @@ def build_workload(
             )
         )
     return WorkloadSnapshot(trajectories=tuple(trajectories), not_started=not_started)
+
+
+def settle(
+    state: ClusterState,
+    obs: Observation,
+    cfg: PolicyConfig,
+    profile: RuntimeProfile,
+    now_s: float,
+    max_rounds: int = 5,
+) -> ClusterState:
+    """Decide and carry out each plan at once until a decision plans nothing.
+
+    The state a coordinator reaches after a few ticks on an unchanging workload.
+    Raises ``RuntimeError`` if it has not settled after ``max_rounds`` decisions.
+    """
+    for i in range(max_rounds):
+        decision = decide(state, obs, cfg, profile, now_s + i)
+        if decision.plan.empty:
+            return decision.state
+        state = apply_plan(decision.state, decision.plan, now_s + i)
+    raise RuntimeError(f"decisions did not settle in {max_rounds} rounds")

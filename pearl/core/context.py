@@ -7,6 +7,7 @@ GPUs?" without repeating the work.
 
 from __future__ import annotations
 
+import math
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -15,9 +16,9 @@ from functools import cached_property
 from pearl.core.config import PolicyConfig
 from pearl.core.observation import Observation
 from pearl.core.pd import GpuBudget, PDConfig, config_of
-from pearl.core.predictor import Prediction, predict_many
+from pearl.core.predictor import Prediction, PreparedWorkload, predict_prepared, prepare
 from pearl.core.profile import RuntimeProfile
-from pearl.core.roles import GpuSource, WorkerKind
+from pearl.core.roles import GpuSource
 from pearl.core.selection import Selection, select_pd
 from pearl.core.state import AllocationStatus, ClusterState, Gpu
 from pearl.core.transition_cost import estimate_transition_s, inventory
@@ -36,8 +37,14 @@ class DecisionContext:
     def current_config(self) -> PDConfig:
         return config_of(self.state)
 
-    def predict(self, config: PDConfig) -> Prediction:
-        return predict_many(self.obs.workload, [config], self.profile)[0]
+    @cached_property
+    def prepared(self) -> PreparedWorkload:
+        """The workload prepared once for every prediction of this decision."""
+        return prepare(self.obs.workload, self.profile)
+
+    @cached_property
+    def current_prediction(self) -> Prediction:
+        return predict_prepared(self.prepared, self.current_config)
 
     def trainer_gpu_ids(self) -> tuple[str, ...]:
         """The base-train GPUs, in the order of the state."""
@@ -88,36 +95,32 @@ class DecisionContext:
         key = (budget, lending)
         if key not in self._selections:
             inv = inventory(self.state, (g.gpu_id for g in pool), lending)
-            drain_s = self.drain_estimate_s()
+            drain_s = self.drain_estimate_s
             costs = self.profile.costs
             self._selections[key] = select_pd(
-                self.obs.workload,
+                self.prepared,
                 budget,
-                self.profile,
                 self.cfg.selection,
                 extra=[self.current_config],
                 transition_s=lambda c: estimate_transition_s(inv, c, costs, drain_s),
             )
         return self._selections[key]
 
+    @cached_property
     def drain_estimate_s(self) -> float:
-        """Expected time for in-flight turns to finish: one turn's decode at batch 1 is the
-        worst case per request; the running batch makes it a little longer."""
+        """Expected time for in-flight turns to finish: one turn's decode at the running
+        configuration's batch (a full turn: the worst case), or, when the running
+        configuration cannot serve, one turn's decode at batch 1 on the fastest engine."""
+        decode_s = self.current_prediction.breakdown.decode_s_per_turn
+        if math.isfinite(decode_s) and decode_s > 0:
+            return decode_s
         stats = self.obs.workload.turn_stats(self.profile.workload)
-        best_step_s = min(
+        step_s = min(
             (
                 float(e.decode.step_s(1, stats.output_tokens_per_turn))
-                for gp in self.profile.gpus.values()
-                for e in gp.engines
+                for gpu in self.profile.gpus.values()
+                for e in gpu.engines
             ),
             default=0.0,
         )
-        return stats.output_tokens_per_turn * best_step_s
-
-    def trainer_workers_on(self, gpu_ids: Iterable[str]) -> list[str]:
-        ids = set(gpu_ids)
-        return [
-            w.worker_id
-            for w in self.state.workers
-            if w.kind is WorkerKind.TRAINER and w.live and ids.intersection(w.gpu_ids)
-        ]
+        return stats.output_tokens_per_turn * step_s

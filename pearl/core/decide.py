@@ -60,10 +60,10 @@ def decide_pearl(
     lent = frozenset(borrow.gpu_ids if borrow.kind in (BorrowKind.LEND, BorrowKind.KEEP) else ())
     pool = ctx.rollout_gpus(lent, elastic.unused)
     current_config = ctx.current_config
-    current = ctx.predict(current_config)
+    current = ctx.current_prediction
     selection = ctx.select(pool, lending=bool(lent - ctx.lent_gpu_ids()))
     target = Target(selection.best.config, lent)
-    plan = plan_transition(ctx.state, target, profile, now_s, ctx.drain_estimate_s())
+    plan = plan_transition(ctx.state, target, profile, now_s, ctx.drain_estimate_s)
     switch_input = SwitchInput(
         current_s=current.completion_s,
         target_s=selection.best.completion_s,
@@ -78,7 +78,7 @@ def decide_pearl(
     if not verdict.switch:
         plan = TransitionPlan(Target(current_config, lent), reason=verdict.reason)
     elif not plan.empty and target.config != current_config:
-        ctx.state = ctx.state.replace(last_pd_switch_s=now_s)
+        ctx.state = ctx.state.evolve(last_pd_switch_s=now_s)
     reasons = (
         f"elastic: {elastic.reason}",
         f"borrow: {borrow.kind.value}: {borrow.reason}",

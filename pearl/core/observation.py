@@ -120,8 +120,8 @@ def observe(state: ClusterState, obs: Observation, now_s: float) -> ClusterState
             lost = {g.gpu_id for g in gpus if g.allocation_id == ev.allocation_id}
             gpus = [g for g in gpus if g.gpu_id not in lost]
             workers = [w for w in workers if not lost.intersection(w.gpu_ids)]
-    if not obs.events and now_s == state.time_s:
-        return state
+    if not obs.events:
+        return state if now_s == state.time_s else state.evolve(time_s=now_s)
     return state.replace(
         time_s=now_s,
         allocations=tuple(allocations.values()),

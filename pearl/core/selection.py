@@ -10,11 +10,13 @@ Candidates:
   instances take every GPU left. With heterogeneous GPUs this places prefill and decode
   where the profile says each runs best; with one type it is the plain P:D split.
 
-When the candidates number at most ``exhaustive_limit`` every one is predicted. Above
-it, each TP pair is first probed on a coarse grid of splits, the best pairs are kept and
-their split is refined by integer ternary search with a final scan of the bracket
-(exact when the predicted time is unimodal in P, which the fluid predictor's
-prefill/decode balance makes it in practice; a test compares against exhaustive search).
+When the candidates number at most ``exhaustive_limit`` every one is predicted, in one
+batch. Above it, each TP pair is first probed on a geometric grid of splits, the best
+pairs are kept and their bracket (the neighbours of the best grid point) is refined by
+an even grid per round, all pairs in one batch per round, until every split of the
+bracket is predicted. This finds the best split when the predicted time is unimodal in
+P, which the fluid predictor's prefill/decode balance makes it in practice (a test
+compares against exhaustive search); rounds are batches so the predictor can vectorise.
 
 Invariants: every returned configuration fits the budget (per type, instances pack onto
 the nodes); ``ranked`` is sorted by estimated transition time plus predicted completion
@@ -32,13 +34,12 @@ from dataclasses import dataclass
 
 from pearl.core.config import SelectionConfig
 from pearl.core.pd import GpuBudget, InstanceSpec, PDConfig, fits_budget
-from pearl.core.predictor import Prediction, predict_many
+from pearl.core.predictor import Prediction, PreparedWorkload, predict_prepared
 from pearl.core.profile import RuntimeProfile
 from pearl.core.roles import Role
-from pearl.core.workload import WorkloadSnapshot
 
 _MAX_TP_COMBOS = 64
-_GRID_POINTS = 6
+_GRID_POINTS = 9
 _PAIRS_REFINED = 3
 
 
@@ -76,24 +77,25 @@ class Selection:
 
 
 def select_pd(
-    workload: WorkloadSnapshot,
+    prepared: PreparedWorkload,
     budget: GpuBudget,
-    profile: RuntimeProfile,
     cfg: SelectionConfig,
     extra: Sequence[PDConfig] = (),
     transition_s: Callable[[PDConfig], float] | None = None,
 ) -> Selection:
     """The configuration with the smallest predicted completion time, and the runners-up.
 
-    ``extra`` configurations (e.g. the one running now) are ranked alongside when they fit
-    the budget. With ``transition_s``, candidates rank by transition plus completion, so a
-    target whose transition would eat its gain loses to a cheaper one.
+    ``prepared``: the workload prepared once per decision (``predictor.prepare``), with
+    its profile. ``extra`` configurations (e.g. the one running now) are ranked alongside
+    when they fit the budget. With ``transition_s``, candidates rank by transition plus
+    completion, so a target whose transition would eat its gain loses to a cheaper one.
     """
+    profile = prepared.profile
     evaluated: dict[PDConfig, Prediction] = {}
 
     def evaluate(configs: Sequence[PDConfig]) -> list[float]:
         new = [c for c in dict.fromkeys(configs) if c not in evaluated]
-        for c, p in zip(new, predict_many(workload, new, profile), strict=True):
+        for c, p in zip(new, _predict_all(prepared, new), strict=True):
             evaluated[c] = p
         return [evaluated[c].completion_s for c in configs]
 
@@ -107,13 +109,14 @@ def select_pd(
     ]
     layouts = [lay for lay in layouts if lay.max_prefill >= 1]
     colocated = _colocated_configs(budget, profile)
+    fitting_extra = [c for c in extra if c.instances and fits_budget(c, budget)]
     num_candidates = len(colocated) + sum(lay.max_prefill for lay in layouts)
     exhaustive = num_candidates <= cfg.exhaustive_limit
-    evaluate([*(c for c in extra if c.instances and fits_budget(c, budget)), *colocated])
     if exhaustive:
-        evaluate([lay.config(p) for lay in layouts for p in range(1, lay.max_prefill + 1)])
+        every_split = [lay.config(p) for lay in layouts for p in range(1, lay.max_prefill + 1)]
+        evaluate([*fitting_extra, *colocated, *every_split])
     else:
-        _search_splits(layouts, evaluate)
+        _search_splits(layouts, evaluate, first=[*fitting_extra, *colocated])
     if not evaluated:
         evaluate([PDConfig()])
     cost = transition_s or (lambda _: 0.0)
@@ -125,52 +128,63 @@ def select_pd(
     return Selection(candidates[0], candidates, len(evaluated), exhaustive, notes)
 
 
+def _predict_all(prepared: PreparedWorkload, configs: Sequence[PDConfig]) -> list[Prediction]:
+    return [predict_prepared(prepared, c) for c in configs]
+
+
 def _times(c: Candidate) -> str:
     return f"{c.transition_s:.1f} s transition + {c.completion_s:.1f} s predicted"
 
 
+Evaluate = Callable[[Sequence[PDConfig]], list[float]]
+
+
 def _search_splits(
-    layouts: Sequence[_SplitLayout], evaluate: Callable[[Sequence[PDConfig]], list[float]]
+    layouts: Sequence[_SplitLayout], evaluate: Evaluate, first: list[PDConfig]
 ) -> None:
-    """Coarse grid over every TP pair, then ternary refinement of the best pairs."""
-    scored: list[tuple[float, int, _SplitLayout]] = []
-    for lay in layouts:
-        grid = _grid(lay.max_prefill)
-        times = evaluate([lay.config(p) for p in grid])
-        best = min(range(len(grid)), key=lambda i: (times[i], grid[i]))
-        lo = grid[best - 1] if best > 0 else 1
-        hi = grid[best + 1] if best + 1 < len(grid) else lay.max_prefill
-        scored.append((times[best], id(lay), lay))
-        lay.bracket = (lo, hi)
-    scored.sort(key=lambda s: s[0])
-    for _, _, lay in scored[:_PAIRS_REFINED]:
-        _ternary(lay, evaluate)
+    """A coarse grid over every TP pair (one batch with ``first``), then the best pairs'
+    brackets are refined, all pairs together, a grid of points per round."""
+    grids = [_grid(1, lay.max_prefill, geometric=True) for lay in layouts]
+    times = evaluate(
+        [*first, *(lay.config(p) for lay, g in zip(layouts, grids, strict=True) for p in g)]
+    )
+    times = times[len(first) :]
+    brackets: list[tuple[float, _SplitLayout, tuple[int, int]]] = []
+    for lay, grid in zip(layouts, grids, strict=True):
+        t, times = times[: len(grid)], times[len(grid) :]
+        brackets.append((min(t), lay, _bracket(grid, t, lay.max_prefill)))
+    brackets.sort(key=lambda b: b[0])
+    active = [(lay, br) for _, lay, br in brackets[:_PAIRS_REFINED]]
+    while active:
+        grids = [_grid(lo, hi, geometric=False) for _, (lo, hi) in active]
+        times = evaluate(
+            [lay.config(p) for (lay, _), g in zip(active, grids, strict=True) for p in g]
+        )
+        narrowed = []
+        for (lay, (lo, hi)), grid in zip(active, grids, strict=True):
+            t, times = times[: len(grid)], times[len(grid) :]
+            if hi - lo + 1 > len(grid):  # not yet every point of the bracket
+                narrowed.append((lay, _bracket(grid, t, hi)))
+        active = narrowed
 
 
-def _ternary(lay: _SplitLayout, evaluate: Callable[[Sequence[PDConfig]], list[float]]) -> None:
-    """Integer ternary search of the split within the layout's bracket, then a scan."""
-
-    def f(num_prefill: int) -> float:
-        return evaluate([lay.config(num_prefill)])[0]
-
-    lo, hi = lay.bracket
-    while hi - lo > 3:
-        m1 = lo + (hi - lo) // 3
-        m2 = hi - (hi - lo) // 3
-        if f(m1) <= f(m2):
-            hi = m2
-        else:
-            lo = m1
-    for p in range(lo, hi + 1):
-        f(p)
+def _bracket(grid: list[int], times: list[float], hi: int) -> tuple[int, int]:
+    """The neighbours of the grid's best point (ties to the smaller split)."""
+    best = min(range(len(grid)), key=lambda i: (times[i], grid[i]))
+    lo = grid[best - 1] if best > 0 else grid[0]
+    return lo, grid[best + 1] if best + 1 < len(grid) else hi
 
 
-def _grid(max_prefill: int) -> list[int]:
-    """A few splits spread geometrically over 1..max_prefill, both ends included."""
-    if max_prefill <= _GRID_POINTS:
-        return list(range(1, max_prefill + 1))
-    ratio = max_prefill ** (1.0 / (_GRID_POINTS - 1))
-    return sorted({max(1, min(max_prefill, round(ratio**i))) for i in range(_GRID_POINTS)})
+def _grid(lo: int, hi: int, *, geometric: bool) -> list[int]:
+    """At most ``_GRID_POINTS`` splits over lo..hi, both ends included."""
+    if hi - lo + 1 <= _GRID_POINTS:
+        return list(range(lo, hi + 1))
+    n = _GRID_POINTS - 1
+    if geometric:
+        points = (lo * (hi / lo) ** (i / n) for i in range(n + 1))
+    else:
+        points = (lo + (hi - lo) * i / n for i in range(n + 1))
+    return sorted({max(lo, min(hi, round(p))) for p in points})
 
 
 def _usable_tps(budget: GpuBudget, profile: RuntimeProfile, gpu_type: str) -> tuple[int, ...]:
@@ -220,7 +234,6 @@ class _SplitLayout:
 
     def __init__(self, budget: GpuBudget, profile: RuntimeProfile, tp_p: int, tp_d: int) -> None:
         self.tp_p, self.tp_d = tp_p, tp_d
-        self.bracket = (1, 1)
         types = sorted(budget.types(), key=lambda t: (-prefill_advantage(profile, t), t))
         self.types = [t for t in types if t in profile.gpus]
         self.prefill_ok = [tp_p in _usable_tps(budget, profile, t) for t in self.types]

@@ -148,11 +148,26 @@ class ClusterState(Frozen):
         """GPU id -> the active worker on it."""
         return {g: w for w in self.workers if w.active for g in w.gpu_ids}
 
+    def evolve(self, **changes: Any) -> ClusterState:
+        """The next version, unvalidated: only for fields no invariant involves.
+
+        Used on every tick (the clock moves), where re-validating thousands of GPUs and
+        workers would dominate the decision's cost. The cached indexes carry over: the
+        GPUs, workers and allocations are the same objects.
+        """
+        unchecked = set(changes) - _FIELDS_WITHOUT_INVARIANTS
+        if unchecked:
+            raise ValueError(f"evolve() cannot change {sorted(unchecked)}; use replace()")
+        return self.model_copy(update={**changes, "version": self.version + 1})
+
     def replace(self, **changes: Any) -> ClusterState:
         """The next version of this state, validated."""
         data = {name: getattr(self, name) for name in type(self).model_fields}
         data.update(changes, version=self.version + 1)
         return ClusterState.model_validate(data)
+
+
+_FIELDS_WITHOUT_INVARIANTS = frozenset({"time_s", "policy_version", "last_pd_switch_s"})
 
 
 def state_problems(state: ClusterState) -> list[str]:

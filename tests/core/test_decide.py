@@ -18,9 +18,9 @@ from pearl.core.observation import (
 from pearl.core.pd import config_of
 from pearl.core.profile import RuntimeProfile
 from pearl.core.registry import UnknownName
-from pearl.core.state import AllocationStatus, ClusterState
+from pearl.core.state import AllocationStatus
 from pearl.io.documents import load_profile
-from pearl.synth import Layout, build_state, build_workload
+from pearl.synth import Layout, build_state, build_workload, settle
 
 WAITING = TrainerStatus(phase=TrainerPhase.WAITING)
 TRAINING = TrainerStatus(phase=TrainerPhase.TRAINING)
@@ -44,18 +44,6 @@ def _busy_obs(trainer: TrainerStatus = TRAINING, **kw: object) -> Observation:
     return Observation(trainer=trainer, workload=workload, **kw)  # type: ignore[arg-type]
 
 
-def _settled(
-    state: ClusterState, obs: Observation, profile: RuntimeProfile, cfg: PolicyConfig, now_s: float
-) -> ClusterState:
-    """Decide and carry out the plan until nothing changes (at most 5 rounds)."""
-    for i in range(5):
-        d = decide(state, obs, cfg, profile, now_s + i)
-        if d.plan.empty:
-            return d.state
-        state = apply_plan(d.state, d.plan, now_s + i)
-    raise AssertionError("decisions did not settle")
-
-
 def test_same_inputs_same_decision(profile: RuntimeProfile) -> None:
     state = build_state(Layout(1, 2, 1))
     a = decide(state, _obs(WAITING), PolicyConfig(), profile, 10.0)
@@ -65,7 +53,7 @@ def test_same_inputs_same_decision(profile: RuntimeProfile) -> None:
 
 def test_a_state_at_its_best_target_gets_an_empty_plan(profile: RuntimeProfile) -> None:
     cfg = PolicyConfig(switching=SwitchingConfig(rule="always"))
-    state = _settled(build_state(Layout(1, 2, 1)), _obs(), profile, cfg, 10.0)
+    state = settle(build_state(Layout(1, 2, 1)), _obs(), cfg, profile, 10.0)
     again = decide(state, _obs(), cfg, profile, 20.0)
     assert again.plan.empty
     assert again.selection is not None and config_of(state) == again.selection.best.config

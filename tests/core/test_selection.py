@@ -5,6 +5,7 @@ import pytest
 
 from pearl.core.config import SelectionConfig
 from pearl.core.pd import GpuBudget, PDMode, fits
+from pearl.core.predictor import prepare
 from pearl.core.profile import RuntimeProfile
 from pearl.core.roles import Role
 from pearl.core.selection import prefill_advantage, select_pd
@@ -29,7 +30,7 @@ def _workload(n: int, seed: int = 0, **kw: float) -> WorkloadSnapshot:
 
 def test_candidates_fit_the_budget(qwen8b: RuntimeProfile) -> None:
     budget = GpuBudget.of({"h100": [8, 8, 4], "h800": [8]})
-    sel = select_pd(_workload(64), budget, qwen8b, SelectionConfig(top_k=1000))
+    sel = select_pd(prepare(_workload(64), qwen8b), budget, SelectionConfig(top_k=1000))
     assert sel.exhaustive and sel.num_evaluated == len(sel.ranked)
     for cand in sel.ranked:
         for gpu_type, used in cand.config.gpus_by_type().items():
@@ -42,8 +43,8 @@ def test_candidates_fit_the_budget(qwen8b: RuntimeProfile) -> None:
 
 def test_ranked_best_first_and_deterministic(qwen8b: RuntimeProfile) -> None:
     budget = GpuBudget.of({"h100": [8] * 4})
-    a = select_pd(_workload(128), budget, qwen8b, SelectionConfig())
-    b = select_pd(_workload(128), budget, qwen8b, SelectionConfig())
+    a = select_pd(prepare(_workload(128), qwen8b), budget, SelectionConfig())
+    b = select_pd(prepare(_workload(128), qwen8b), budget, SelectionConfig())
     times = [c.completion_s for c in a.ranked]
     assert times == sorted(times)
     assert a == b
@@ -51,7 +52,7 @@ def test_ranked_best_first_and_deterministic(qwen8b: RuntimeProfile) -> None:
 
 def test_every_split_is_enumerated_on_a_small_budget(qwen8b: RuntimeProfile) -> None:
     budget = GpuBudget.of({"h100": [8]})
-    sel = select_pd(_workload(32), budget, qwen8b, SelectionConfig(top_k=1000))
+    sel = select_pd(prepare(_workload(32), qwen8b), budget, SelectionConfig(top_k=1000))
     splits = {
         (c.config.count(Role.PREFILL), c.config.count(Role.DECODE))
         for c in sel.ranked
@@ -69,8 +70,9 @@ def test_search_finds_what_exhaustive_finds(
 ) -> None:
     budget = GpuBudget.of({"h100": [8] * 12})
     workload = _workload(400, seed, mean_turns=30.0 if env_heavy else 6.0)
-    full = select_pd(workload, budget, qwen8b, SelectionConfig(exhaustive_limit=10_000))
-    fast = select_pd(workload, budget, qwen8b, SelectionConfig(exhaustive_limit=1))
+    prepared = prepare(workload, qwen8b)
+    full = select_pd(prepared, budget, SelectionConfig(exhaustive_limit=10_000))
+    fast = select_pd(prepared, budget, SelectionConfig(exhaustive_limit=1))
     assert full.exhaustive and not fast.exhaustive
     assert fast.num_evaluated < full.num_evaluated / 4
     assert fast.best.completion_s <= full.best.completion_s * 1.01
@@ -79,7 +81,7 @@ def test_search_finds_what_exhaustive_finds(
 def test_heterogeneous_prefill_goes_where_it_runs_best(qwen30b: RuntimeProfile) -> None:
     assert prefill_advantage(qwen30b, "h800") > prefill_advantage(qwen30b, "h20")
     budget = GpuBudget.of({"h800": [8, 8], "h20": [8, 8]})
-    sel = select_pd(_workload(256), budget, qwen30b, SelectionConfig(top_k=1000))
+    sel = select_pd(prepare(_workload(256), qwen30b), budget, SelectionConfig(top_k=1000))
     for cand in sel.ranked:
         if cand.config.mode is not PDMode.DISAGGREGATED:
             continue
@@ -98,13 +100,12 @@ def test_heterogeneous_prefill_goes_where_it_runs_best(qwen30b: RuntimeProfile) 
 
 
 def test_unknown_gpu_type_is_noted_not_used(qwen8b: RuntimeProfile) -> None:
-    sel = select_pd(
-        _workload(16), GpuBudget.of({"h100": [8], "tpu": [8]}), qwen8b, SelectionConfig()
-    )
+    budget = GpuBudget.of({"h100": [8], "tpu": [8]})
+    sel = select_pd(prepare(_workload(16), qwen8b), budget, SelectionConfig())
     assert "tpu" not in sel.best.config.gpus_by_type()
     assert any("tpu" in n for n in sel.notes)
 
 
 def test_empty_budget_gives_an_infeasible_best(qwen8b: RuntimeProfile) -> None:
-    sel = select_pd(_workload(16), GpuBudget.of({}), qwen8b, SelectionConfig())
+    sel = select_pd(prepare(_workload(16), qwen8b), GpuBudget.of({}), SelectionConfig())
     assert sel.best.completion_s == float("inf")

@@ -115,3 +115,11 @@ def test_indexes_and_views() -> None:
     active = state.active_worker_on()
     assert active["train0000/3"].worker_id == "t-train0000"
     assert all(w.phase is Phase.READY for w in state.live_workers())
+
+
+def test_evolve_moves_the_clock_without_revalidating_and_refuses_checked_fields() -> None:
+    state = build_state(Layout(1, 1, 1))
+    later = state.evolve(time_s=50.0, last_pd_switch_s=40.0)
+    assert (later.version, later.time_s, later.gpus) == (state.version + 1, 50.0, state.gpus)
+    with pytest.raises(ValueError, match="use replace"):
+        state.evolve(workers=())

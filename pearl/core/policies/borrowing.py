@@ -45,9 +45,7 @@ def predictive_rule(ctx: DecisionContext) -> BorrowAction:
             return BorrowAction(
                 BorrowKind.RETURN, window.gpu_ids, window.return_by_s, reason="return under way"
             )
-        start_at_s = (
-            window.return_by_s - ctx.drain_estimate_s() - costs.sleep_s - cfg.return_margin_s
-        )
+        start_at_s = window.return_by_s - ctx.drain_estimate_s - costs.sleep_s - cfg.return_margin_s
         if now_s >= start_at_s:
             return BorrowAction(
                 BorrowKind.RETURN,
@@ -70,7 +68,7 @@ def predictive_rule(ctx: DecisionContext) -> BorrowAction:
         return BorrowAction(BorrowKind.NONE, reason="no rollout work left")
     without = ctx.select(ctx.rollout_gpus(())).best
     with_lent = ctx.select(ctx.rollout_gpus(trainer_gpus), lending=True).best
-    return_s = ctx.drain_estimate_s() + costs.sleep_s + costs.trainer_onload_s
+    return_s = ctx.drain_estimate_s + costs.sleep_s + costs.trainer_onload_s
     # Each candidate's effective time includes its transition (for the lent one: the
     # offload and the wake); the return comes on top.
     gain_s = without.effective_s - with_lent.effective_s
