@@ -8,8 +8,12 @@ ones, and cold-start the rest (after draining and stopping engines in the way). 
 change in parallel, so the estimate is the slowest class, after the trainer's offload
 when the transition lends its GPUs.
 
-Invariant: a target equal to the inventory's configuration costs 0; the estimate never
-exceeds the planner's makespan for the same move by more than one drain (tested).
+It estimates the time until the target serves: surplus engines that only need to stop
+run off in the background and cost nothing here (the plan's makespan includes them).
+
+Invariant: a target equal to the inventory's configuration costs 0. For the moves the
+planner makes without placement trouble (switches, wakes, starts on free or freed GPUs,
+lending), the estimate equals the planner's makespan (``tests/core/test_transition_cost``).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ class Inventory:
 
     active: Counter[tuple[GpuClass, Role]]
     asleep: Counter[GpuClass]
+    stale: frozenset[GpuClass]  # classes with an asleep engine behind the policy version
     lending: bool  # the move starts with the trainer's offload
 
 
@@ -39,6 +44,7 @@ def inventory(state: ClusterState, pool_gpu_ids: Iterable[str], lending: bool) -
     pool = set(pool_gpu_ids)
     active: Counter[tuple[GpuClass, Role]] = Counter()
     asleep: Counter[GpuClass] = Counter()
+    stale: set[GpuClass] = set()
     for w in state.workers:
         if w.kind is not WorkerKind.ENGINE or not w.live or not pool.issuperset(w.gpu_ids):
             continue
@@ -47,7 +53,9 @@ def inventory(state: ClusterState, pool_gpu_ids: Iterable[str], lending: bool) -
             active[(cls, w.role)] += 1
         elif w.role is Role.IDLE:
             asleep[cls] += 1
-    return Inventory(active, asleep, lending)
+            if w.weights_version < state.policy_version:
+                stale.add(cls)
+    return Inventory(active, asleep, frozenset(stale), lending)
 
 
 def estimate_transition_s(
@@ -71,7 +79,8 @@ def estimate_transition_s(
         if switched:
             slowest_s = max(slowest_s, drain_s + costs.role_switch_s)
         if woken:
-            slowest_s = max(slowest_s, offload_s + costs.wake_s + costs.weight_sync_s)
+            sync_s = costs.weight_sync_s if cls in inv.stale else 0.0
+            slowest_s = max(slowest_s, offload_s + costs.wake_s + sync_s)
         if started:
             clear_s = drain_s + costs.stop_s if surplus_anywhere else 0.0
             slowest_s = max(slowest_s, max(offload_s, clear_s) + costs.engine_cold_start_s)
