@@ -63,12 +63,16 @@ def decide_pearl(
     current = ctx.current_prediction
     selection = ctx.select(pool, lending=bool(lent - ctx.lent_gpu_ids()))
     target = Target(selection.best.config, lent)
-    plan = plan_transition(ctx.state, target, profile, now_s, ctx.drain_estimate_s)
+    mandatory = _pool_changed(ctx.state, pool, lent, elastic)
+    if mandatory or target.config != current_config:
+        plan = plan_transition(ctx.state, target, profile, now_s, ctx.drain_estimate_s)
+    else:  # what the planner would return, without its cost on every tick
+        plan = TransitionPlan(target, reason=f"already at {current_config.label()}")
     switch_input = SwitchInput(
         current_s=current.completion_s,
         target_s=selection.best.completion_s,
         cost_s=plan.makespan_s,
-        mandatory=_pool_changed(ctx.state, pool, lent, elastic),
+        mandatory=mandatory,
         last_switch_s=ctx.state.last_pd_switch_s,
         now_s=now_s,
     )

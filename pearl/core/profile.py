@@ -2,8 +2,8 @@
 
 A profile holds, per GPU type and tensor-parallel degree, the cost model of one engine
 instance, plus the transition costs the policies weigh. Numbers come from shipped YAML
-files (``pearl/profiles/``, each number with its public source) or from ``fit_profile``
-over measurements.
+files (``pearl/profiles/``, each number with its public source) or from
+``pearl.core.fitting.fit_engine_profile`` over measurements.
 
 Cost model (documented in ``docs/predictor.md``):
 - prefill of a batch of sequences with new-token counts n_i, of which the i-th also
@@ -14,7 +14,9 @@ Cost model (documented in ``docs/predictor.md``):
   regimes as DistServe fits them (memory-bound small batches, compute-bound large ones):
   ``base_s + per_seq_s * B + per_ctx_token_s * K`` with the regime's coefficients,
   the large regime from ``large_batch_from`` sequences on.
-- KV bytes per token ``2 * layers * kv_heads * head_dim * dtype_bytes`` (K and V).
+- KV bytes per token ``2 * layers * kv_heads * head_dim * dtype_bytes`` (K and V). With
+  more GPUs than KV heads, vLLM replicates each KV head on ``tp / kv_heads`` GPUs, so an
+  instance's derived KV capacity shrinks by that factor.
 
 Invariants: every coefficient is non-negative; every engine's tp is a power of two; the
 KV capacity of an instance is positive or the (gpu type, tp) pair is infeasible.
@@ -178,7 +180,8 @@ class RuntimeProfile(Frozen):
         gpu = self.gpus[gpu_type]
         free_gb = tp * (gpu.memory_gb * gpu.gpu_memory_utilization - gpu.activation_reserve_gb)
         free_gb -= self.model.weights_gb
-        return max(0, int(free_gb * 1e9 / self.model.kv_bytes_per_token))
+        replicas = max(1, tp // self.model.num_kv_heads)  # KV heads copied beyond tp > heads
+        return max(0, int(free_gb * 1e9 / (self.model.kv_bytes_per_token * replicas)))
 
     def feasible_tps(self, gpu_type: str) -> tuple[int, ...]:
         gpu = self.gpus.get(gpu_type)

@@ -34,12 +34,13 @@ from dataclasses import dataclass
 
 from pearl.core.config import SelectionConfig
 from pearl.core.pd import GpuBudget, InstanceSpec, PDConfig, fits_budget
-from pearl.core.predictor import Prediction, PreparedWorkload, predict_prepared
+from pearl.core.predictor import Prediction, PreparedWorkload, predict_prepared_many
 from pearl.core.profile import RuntimeProfile
 from pearl.core.roles import Role
 
 _MAX_TP_COMBOS = 64
-_GRID_POINTS = 9
+_GRID_POINTS = 9  # first probe of every TP pair, geometric
+_REFINE_POINTS = 17  # per bracket and round, even
 _PAIRS_REFINED = 3
 
 
@@ -66,6 +67,7 @@ class Selection:
     num_evaluated: int
     exhaustive: bool
     notes: tuple[str, ...]  # e.g. GPU types the profile does not know
+    min_critical_path_s: float  # shortest critical path of any evaluated candidate
 
     @property
     def reason(self) -> str:
@@ -95,7 +97,7 @@ def select_pd(
 
     def evaluate(configs: Sequence[PDConfig]) -> list[float]:
         new = [c for c in dict.fromkeys(configs) if c not in evaluated]
-        for c, p in zip(new, _predict_all(prepared, new), strict=True):
+        for c, p in zip(new, predict_prepared_many(prepared, new), strict=True):
             evaluated[c] = p
         return [evaluated[c].completion_s for c in configs]
 
@@ -125,11 +127,8 @@ def select_pd(
     ]
     scored.sort(key=lambda c: (c.effective_s, c.config.num_gpus, c.config))
     candidates = tuple(scored[: cfg.top_k])
-    return Selection(candidates[0], candidates, len(evaluated), exhaustive, notes)
-
-
-def _predict_all(prepared: PreparedWorkload, configs: Sequence[PDConfig]) -> list[Prediction]:
-    return [predict_prepared(prepared, c) for c in configs]
+    min_critical_s = min(p.breakdown.critical_path_s for p in evaluated.values())
+    return Selection(candidates[0], candidates, len(evaluated), exhaustive, notes, min_critical_s)
 
 
 def _times(c: Candidate) -> str:
@@ -176,10 +175,11 @@ def _bracket(grid: list[int], times: list[float], hi: int) -> tuple[int, int]:
 
 
 def _grid(lo: int, hi: int, *, geometric: bool) -> list[int]:
-    """At most ``_GRID_POINTS`` splits over lo..hi, both ends included."""
-    if hi - lo + 1 <= _GRID_POINTS:
+    """A few splits over lo..hi, both ends included: geometric for the first probe."""
+    num_points = _GRID_POINTS if geometric else _REFINE_POINTS
+    if hi - lo + 1 <= num_points:
         return list(range(lo, hi + 1))
-    n = _GRID_POINTS - 1
+    n = num_points - 1
     if geometric:
         points = (lo * (hi / lo) ** (i / n) for i in range(n + 1))
     else:

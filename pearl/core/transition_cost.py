@@ -18,7 +18,7 @@ lending), the estimate equals the planner's makespan (``tests/core/test_transiti
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -32,9 +32,9 @@ GpuClass = tuple[str, int]  # (gpu_type, tp)
 
 @dataclass(frozen=True)
 class Inventory:
-    """Engines on a GPU pool: active ones by (class, role), asleep ones by class."""
+    """Engines on a GPU pool: active ones by class and role, asleep ones by class."""
 
-    active: Counter[tuple[GpuClass, Role]]
+    active: dict[GpuClass, Counter[Role]]
     asleep: Counter[GpuClass]
     stale: frozenset[GpuClass]  # classes with an asleep engine behind the policy version
     lending: bool  # the move starts with the trainer's offload
@@ -42,7 +42,7 @@ class Inventory:
 
 def inventory(state: ClusterState, pool_gpu_ids: Iterable[str], lending: bool) -> Inventory:
     pool = set(pool_gpu_ids)
-    active: Counter[tuple[GpuClass, Role]] = Counter()
+    active: defaultdict[GpuClass, Counter[Role]] = defaultdict(Counter)
     asleep: Counter[GpuClass] = Counter()
     stale: set[GpuClass] = set()
     for w in state.workers:
@@ -50,40 +50,41 @@ def inventory(state: ClusterState, pool_gpu_ids: Iterable[str], lending: bool) -
             continue
         cls = (state.gpu_by_id[w.gpu_ids[0]].gpu_type, w.tp)
         if w.role in INFERENCE_ROLES and w.phase not in (Phase.DRAINING, Phase.STOPPING):
-            active[(cls, w.role)] += 1
+            active[cls][w.role] += 1
         elif w.role is Role.IDLE:
             asleep[cls] += 1
             if w.weights_version < state.policy_version:
                 stale.add(cls)
-    return Inventory(active, asleep, frozenset(stale), lending)
+    return Inventory(dict(active), asleep, frozenset(stale), lending)
 
 
 def estimate_transition_s(
     inv: Inventory, target: PDConfig, costs: TransitionCosts, drain_s: float
 ) -> float:
-    want: Counter[tuple[GpuClass, Role]] = Counter(
-        {((s.gpu_type, s.tp), s.role): n for s, n in target.instances}
-    )
-    classes = {cls for cls, _ in want} | {cls for cls, _ in inv.active}
-    surplus_anywhere = any(inv.active[k] > want[k] for k in inv.active)
-    offload_s = costs.trainer_offload_s if inv.lending else 0.0
-    slowest_s = 0.0
-    for cls in classes:
-        roles = [r for c, r in [*want, *inv.active] if c == cls]
-        kept = sum(min(want[(cls, r)], inv.active[(cls, r)]) for r in set(roles))
-        needed = sum(want[(cls, r)] for r in set(roles)) - kept
-        movable = sum(inv.active[(cls, r)] for r in set(roles)) - kept
+    want: defaultdict[GpuClass, dict[Role, int]] = defaultdict(dict)
+    for spec, n in target.instances:
+        want[(spec.gpu_type, spec.tp)][spec.role] = n
+    none: Counter[Role] = Counter()
+    moves = []  # per class: (engines to switch, to wake, to start)
+    surplus = 0  # active engines the target does not keep as they are
+    for cls in want.keys() | inv.active.keys():
+        wanted, have = want.get(cls, {}), inv.active.get(cls, none)
+        kept = sum(min(n, have[r]) for r, n in wanted.items())
+        needed = sum(wanted.values()) - kept
+        movable = sum(have.values()) - kept
         switched = min(needed, movable)
         woken = min(needed - switched, inv.asleep[cls])
-        started = needed - switched - woken
+        moves.append((cls, switched, woken, needed - switched - woken))
+        surplus += movable
+    offload_s = costs.trainer_offload_s if inv.lending else 0.0
+    slowest_s = offload_s
+    for cls, switched, woken, started in moves:
         if switched:
             slowest_s = max(slowest_s, drain_s + costs.role_switch_s)
         if woken:
             sync_s = costs.weight_sync_s if cls in inv.stale else 0.0
             slowest_s = max(slowest_s, offload_s + costs.wake_s + sync_s)
         if started:
-            clear_s = drain_s + costs.stop_s if surplus_anywhere else 0.0
+            clear_s = drain_s + costs.stop_s if surplus else 0.0
             slowest_s = max(slowest_s, max(offload_s, clear_s) + costs.engine_cold_start_s)
-    if inv.lending and slowest_s == 0.0:
-        slowest_s = offload_s
     return slowest_s

@@ -2,8 +2,8 @@
 
 A live trajectory repeats a *turn cycle*: prefill of the turn's new tokens, KV transfer to
 a decode instance (disaggregated only), decode of ``o`` output tokens, then an environment
-step of ``e`` seconds. ``solve_cycle`` gives, for arrays of segments (``N`` live
-trajectories of mean turn-start context ``C``), the cycle time
+step of ``e`` seconds. ``solve_cycle`` gives, for C configurations at once and arrays of
+segments (``N`` live trajectories of mean turn-start context ``C``), the cycle time
 
     T     = max(T_lat, T_prefill, T_decode, T_transfer)
     T_lat = l_p + x + o * tau(B) + e                       (one trajectory's own latency)
@@ -14,28 +14,41 @@ where ``tau(B)`` is the capacity-weighted decode step time at per-instance batch
 the ``T_*`` terms are the throughput bounds of the prefill pool, the decode pool (at
 ``B_max``, the slots that ``max_num_seqs`` and the KV cache allow) and the KV links.
 
-Invariants: every returned array has the shape of ``num_live``; ``T >= T_lat >= env_s``;
-``B == 1`` where ``N == 1``; ``T`` is ``+inf`` exactly where no decode instance can hold
-one context.
+Layout: the configurations' instance groups are flattened into *rows* of a prefill pool
+and a decode pool (``EngineGroups``), shape (rows, 1); per-configuration results have
+shape (C, S) for S segments. Sums over a configuration's rows are sequential in row
+order, and nothing mixes configurations, so a configuration's result does not depend on
+which other configurations share the call (bit for bit).
+
+Invariants: every returned array has shape (C, S); ``T >= T_lat >= env_s``; ``B == 1``
+where ``N == 1``; ``T`` is ``+inf`` exactly where no decode instance can hold one context.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 from numpy.typing import NDArray
 
-from pearl.core.pd import PDConfig
+from pearl.core.pd import InstanceSpec, PDConfig
 from pearl.core.profile import RuntimeProfile
 from pearl.core.roles import Role
 
 F64 = NDArray[np.float64]
+Index = NDArray[np.intp]
 _TINY = 1e-12
 
 # Binding term of a segment's cycle time, as codes into BOUND_NAMES.
 LATENCY, PREFILL, DECODE, KV_TRANSFER, KV_CAPACITY = range(5)
 BOUND_NAMES = ("latency", "prefill", "decode", "kv_transfer", "kv_capacity")
+
+# Columns of one group's row: instances, KV tokens and link bytes/s per instance, prefill
+# a, b, c, max_batched_tokens, decode large_batch_from, small (base, per_seq, per_ctx),
+# large (base, per_seq, per_ctx), max_num_seqs.
+_COUNT, _KV, _LINK, _A, _B, _C, _MBT, _LBF = range(8)
+_SMALL, _LARGE, _MAX_SEQS = (8, 9, 10), (11, 12, 13), 14
 
 
 @dataclass(frozen=True)
@@ -52,284 +65,561 @@ class TurnShape:
         return self.output_tokens + self.observation_tokens
 
 
-@dataclass(frozen=True)
+def _pool(start: Index, num_rows: int) -> tuple[Index, Index]:
+    """Per-row owner and per-configuration first row, from the first rows."""
+    counts = np.diff(np.append(start, num_rows))
+    return np.repeat(np.arange(len(start)), counts), start
+
+
+@dataclass(frozen=True, eq=False)
 class EngineGroups:
-    """A configuration's instances as coefficient columns of shape (G, 1).
+    """The instance groups of C configurations as rows of two pools.
 
     ``pf_*`` rows form the prefill pool (prefill and colocated groups), ``dec_*`` rows the
-    decode pool (decode and colocated groups); a colocated group is a row of both.
+    decode pool (decode and colocated groups); a colocated group is a row of both. Rows are
+    ordered by configuration and every configuration has at least one row in each pool.
+    Row columns have shape (rows, 1); per-configuration columns (C, 1).
     """
 
-    disaggregated: bool  # some instance is a dedicated prefill or decode instance
+    num_configs: int
+    disaggregated: NDArray[np.bool_]  # (C, 1) some instance is dedicated prefill or decode
+    pf_start: Index  # (C,) first prefill row of each configuration
+    pf_owner: Index  # (rows,) configuration of each prefill row
     pf_count: F64  # instances
     pf_a_s: F64  # fixed cost of one prefill batch
     pf_b_s: F64  # cost per new token
     pf_c_s: F64  # attention cost per token pair
     pf_max_batched_tokens: F64
+    dec_start: Index  # (C,) first decode row of each configuration
+    dec_owner: Index  # (rows,) configuration of each decode row
     dec_count: F64  # instances
     dec_colocated: F64  # 1 where prefill chunks share the decode steps
-    dec_prefill_row: NDArray[np.intp]  # (G,) the group's prefill-pool row (0 if none)
+    dec_prefill_row: Index  # (rows,) the group's prefill-pool row (any row of its config if none)
     dec_small: tuple[F64, F64, F64]  # (base_s, per_seq_s, per_ctx_token_s), small batches
     dec_large: tuple[F64, F64, F64]  # the same from large_batch_from on
     dec_large_batch_from: F64
     dec_max_num_seqs: F64
     dec_kv_capacity_tokens: F64  # per instance
-    num_prefill_instances: float
-    kv_prefill_pool_tokens: float  # KV capacity of the whole prefill pool
-    kv_decode_pool_tokens: float  # KV capacity of the whole decode pool
+    num_prefill_instances: F64  # (C, 1)
+    kv_prefill_pool_tokens: F64  # (C, 1) KV capacity of the whole prefill pool
+    kv_decode_pool_tokens: F64  # (C, 1) KV capacity of the whole decode pool
     kv_bytes_per_token: float
-    link_instance_bytes_per_s: float  # one instance's KV link: min of the pools' means
-    link_total_bytes_per_s: float  # all KV links: min of the pools' sums
+    link_instance_bytes_per_s: F64  # (C, 1) one instance's KV link: min of the pools' means
+    link_total_bytes_per_s: F64  # (C, 1) all KV links: min of the pools' sums
+
+    def pf_sum(self, x: F64) -> F64:
+        """Per-configuration sum of prefill rows: (rows, S) -> (C, S)."""
+        return x if len(self.pf_owner) == self.num_configs else _row_sum(x, self.pf_start)
+
+    def pf_spread(self, x: F64) -> F64:
+        """A per-configuration array (C, S) on the prefill rows; 1-D arrays are shared."""
+        if x.ndim < 2 or len(self.pf_owner) == self.num_configs:
+            return x
+        return np.take(x, self.pf_owner, axis=0)
+
+    def dec_sum(self, x: F64) -> F64:
+        """Per-configuration sum of decode rows: (rows, S) -> (C, S)."""
+        return x if len(self.dec_owner) == self.num_configs else _row_sum(x, self.dec_start)
+
+    def dec_spread(self, x: F64) -> F64:
+        """A per-configuration array (C, S) on the decode rows; 1-D arrays are shared."""
+        if x.ndim < 2 or len(self.dec_owner) == self.num_configs:
+            return x
+        return np.take(x, self.dec_owner, axis=0)
 
 
-def engine_groups(config: PDConfig, profile: RuntimeProfile) -> EngineGroups | None:
-    """The groups of a configuration, or None when it cannot serve any trajectory.
+def _row_sum(x: F64, start: Index) -> F64:
+    result: F64 = np.add.reduceat(x, start, axis=0)
+    return result
 
-    None when the configuration has no prefill-capable or no decode-capable instance, or
-    a (gpu type, tp) without engine profile or KV capacity. Non-inference roles are ignored.
-    """
-    rows: list[tuple[float, ...]] = []
-    roles: list[Role] = []
-    for spec, num in config.instances:
-        if spec.role not in (Role.PREFILL, Role.DECODE, Role.COLOCATED):
-            continue
-        e = profile.engine(spec.gpu_type, spec.tp)
-        kv_tokens = profile.kv_capacity_tokens(spec.gpu_type, spec.tp)
-        if e is None or kv_tokens <= 0:
-            return None
-        p, sm, lg = e.prefill, e.decode.small, e.decode.large
-        link_bytes_per_s = spec.tp * profile.gpus[spec.gpu_type].kv_transfer_gb_per_s * 1e9
-        roles.append(spec.role)
-        rows.append((num, kv_tokens, link_bytes_per_s, p.a_s, p.b_s_per_token, p.c_s_per_token2))
-        rows[-1] += (e.max_batched_tokens, spec.role is Role.COLOCATED, e.decode.large_batch_from)
-        rows[-1] += (sm.base_s, sm.per_seq_s, sm.per_ctx_token_s)
-        rows[-1] += (lg.base_s, lg.per_seq_s, lg.per_ctx_token_s, e.max_num_seqs)
-    pf = [i for i, r in enumerate(roles) if r in (Role.PREFILL, Role.COLOCATED)]
-    dec = [i for i, r in enumerate(roles) if r in (Role.DECODE, Role.COLOCATED)]
-    if not pf or not dec:
+
+def _unit_row(spec: InstanceSpec, profile: RuntimeProfile) -> list[float] | None:
+    """One instance's columns (above), or None without engine profile or KV capacity."""
+    e = profile.engine(spec.gpu_type, spec.tp)
+    kv_tokens = profile.kv_capacity_tokens(spec.gpu_type, spec.tp)
+    if e is None or kv_tokens <= 0:
         return None
-    table = np.array(rows, dtype=float)
-    p_cols, d_cols = table[pf].T[:, :, None], table[dec].T[:, :, None]  # column, group, 1
+    p, sm, lg = e.prefill, e.decode.small, e.decode.large
+    link_bytes_per_s = spec.tp * profile.gpus[spec.gpu_type].kv_transfer_gb_per_s * 1e9
+    return [
+        1.0,
+        float(kv_tokens),
+        link_bytes_per_s,
+        p.a_s,
+        p.b_s_per_token,
+        p.c_s_per_token2,
+        float(e.max_batched_tokens),
+        float(e.decode.large_batch_from),
+        sm.base_s,
+        sm.per_seq_s,
+        sm.per_ctx_token_s,
+        lg.base_s,
+        lg.per_seq_s,
+        lg.per_ctx_token_s,
+        float(e.max_num_seqs),
+    ]
 
-    def pool_sum(index: list[int], column: int | None = None) -> float:
-        """Sum over a pool's instances of a column (of 1 when None)."""
-        return sum(rows[i][0] * (1.0 if column is None else rows[i][column]) for i in index)
 
-    pf_link, dec_link = pool_sum(pf, 2), pool_sum(dec, 2)
+@dataclass
+class _Rows:
+    """The rows of the configurations kept so far: unit (gpu, tp) and instance count."""
+
+    pf_unit: list[int] = field(default_factory=list)
+    pf_count: list[float] = field(default_factory=list)
+    dec_unit: list[int] = field(default_factory=list)
+    dec_count: list[float] = field(default_factory=list)
+    dec_prefill_row: list[int] = field(default_factory=list)  # -1: not colocated
+    pf_start: list[int] = field(default_factory=list)
+    dec_start: list[int] = field(default_factory=list)
+    disaggregated: list[bool] = field(default_factory=list)
+
+
+def engine_groups(
+    configs: Sequence[PDConfig], profile: RuntimeProfile
+) -> tuple[EngineGroups | None, list[int]]:
+    """The groups of the configurations that can serve, and those configurations' indices.
+
+    A configuration cannot serve any trajectory when it has no prefill-capable or no
+    decode-capable instance, or a (gpu type, tp) without engine profile or KV capacity;
+    it is left out. Non-inference roles are ignored. None when no configuration is left.
+    """
+    unit_of: dict[tuple[str, int], int] = {}  # (gpu, tp) -> row of ``units``, -1 if none
+    units: list[list[float]] = []
+    rows = _Rows()
+    kept: list[int] = []
+    for index, config in enumerate(configs):
+        pf_unit: list[int] = []
+        pf_count: list[float] = []
+        dec_unit: list[int] = []
+        dec_count: list[float] = []
+        dec_prefill_row: list[int] = []
+        base = len(rows.pf_unit)
+        for spec, num in config.instances:
+            role = spec.role
+            if role is not Role.PREFILL and role is not Role.DECODE and role is not Role.COLOCATED:
+                continue
+            key = (spec.gpu_type, spec.tp)
+            unit = unit_of.get(key)
+            if unit is None:
+                row = _unit_row(spec, profile)
+                unit = unit_of[key] = -1 if row is None else len(units)
+                if row is not None:
+                    units.append(row)
+            if unit < 0:
+                break
+            if role is not Role.DECODE:
+                pf_unit.append(unit)
+                pf_count.append(num)
+            if role is not Role.PREFILL:
+                dec_unit.append(unit)
+                dec_count.append(num)
+                dec_prefill_row.append(base + len(pf_unit) - 1 if role is Role.COLOCATED else -1)
+        else:
+            if pf_unit and dec_unit:
+                kept.append(index)
+                rows.pf_start.append(base)
+                rows.dec_start.append(len(rows.dec_unit))
+                rows.pf_unit += pf_unit
+                rows.pf_count += pf_count
+                rows.dec_unit += dec_unit
+                rows.dec_count += dec_count
+                rows.dec_prefill_row += dec_prefill_row
+                colocated = sum(i >= 0 for i in dec_prefill_row)
+                rows.disaggregated.append(colocated < len(dec_unit) or colocated < len(pf_unit))
+    if not kept:
+        return None, kept
+    return _stack(rows, np.array(units, dtype=float), profile), kept
+
+
+def _stack(rows: _Rows, units: F64, profile: RuntimeProfile) -> EngineGroups:
+    """Columns of the rows (unit columns, instance counts) and each configuration's pools."""
+    num_configs = len(rows.pf_start)
+    p = units[rows.pf_unit].T[:, :, None]  # column, row, 1
+    d = units[rows.dec_unit].T[:, :, None]
+    p[_COUNT, :, 0] = rows.pf_count
+    d[_COUNT, :, 0] = rows.dec_count
+    pf_owner, pf_start = _pool(np.array(rows.pf_start, dtype=np.intp), p.shape[1])
+    dec_owner, dec_start = _pool(np.array(rows.dec_start, dtype=np.intp), d.shape[1])
+    prefill_row = np.array(rows.dec_prefill_row, dtype=np.intp)
+    colocated = prefill_row >= 0
+
+    def per_config(owner: Index, column: F64) -> F64:
+        """Sum of a column over each configuration's rows, sequential in row order."""
+        total = np.bincount(owner, weights=column[:, 0], minlength=num_configs)
+        return total.astype(np.float64)[:, None]
+
+    pf_instances = per_config(pf_owner, p[_COUNT])
+    dec_instances = per_config(dec_owner, d[_COUNT])
+    pf_link = per_config(pf_owner, p[_COUNT] * p[_LINK])
+    dec_link = per_config(dec_owner, d[_COUNT] * d[_LINK])
     return EngineGroups(
-        disaggregated=any(r is not Role.COLOCATED for r in roles),
-        pf_count=p_cols[0],
-        pf_a_s=p_cols[3],
-        pf_b_s=p_cols[4],
-        pf_c_s=p_cols[5],
-        pf_max_batched_tokens=p_cols[6],
-        dec_count=d_cols[0],
-        dec_colocated=d_cols[7],
-        dec_prefill_row=np.array([pf.index(i) if i in pf else 0 for i in dec], dtype=np.intp),
-        dec_small=(d_cols[9], d_cols[10], d_cols[11]),
-        dec_large=(d_cols[12], d_cols[13], d_cols[14]),
-        dec_large_batch_from=d_cols[8],
-        dec_max_num_seqs=d_cols[15],
-        dec_kv_capacity_tokens=d_cols[1],
-        num_prefill_instances=pool_sum(pf),
-        kv_prefill_pool_tokens=pool_sum(pf, 1),
-        kv_decode_pool_tokens=pool_sum(dec, 1),
+        num_configs=num_configs,
+        disaggregated=np.array(rows.disaggregated, dtype=bool)[:, None],
+        pf_start=pf_start,
+        pf_owner=pf_owner,
+        pf_count=p[_COUNT],
+        pf_a_s=p[_A],
+        pf_b_s=p[_B],
+        pf_c_s=p[_C],
+        pf_max_batched_tokens=p[_MBT],
+        dec_start=dec_start,
+        dec_owner=dec_owner,
+        dec_count=d[_COUNT],
+        dec_colocated=colocated.astype(float)[:, None],
+        dec_prefill_row=np.where(colocated, prefill_row, pf_start[dec_owner]),
+        dec_small=(d[_SMALL[0]], d[_SMALL[1]], d[_SMALL[2]]),
+        dec_large=(d[_LARGE[0]], d[_LARGE[1]], d[_LARGE[2]]),
+        dec_large_batch_from=d[_LBF],
+        dec_max_num_seqs=d[_MAX_SEQS],
+        dec_kv_capacity_tokens=d[_KV],
+        num_prefill_instances=pf_instances,
+        kv_prefill_pool_tokens=per_config(pf_owner, p[_COUNT] * p[_KV]),
+        kv_decode_pool_tokens=per_config(dec_owner, d[_COUNT] * d[_KV]),
         kv_bytes_per_token=float(profile.model.kv_bytes_per_token),
-        link_instance_bytes_per_s=min(pf_link / pool_sum(pf), dec_link / pool_sum(dec)),
-        link_total_bytes_per_s=min(pf_link, dec_link),
+        link_instance_bytes_per_s=np.minimum(pf_link / pf_instances, dec_link / dec_instances),
+        link_total_bytes_per_s=np.minimum(pf_link, dec_link),
     )
 
 
 @dataclass(frozen=True)
 class Segments:
-    """Token quantities of segments, computed once per workload and PD mode."""
+    """Token quantities of segments (shape (S,)), computed once per workload.
+
+    ``new_tokens`` and ``attention_tokens`` hold one array per PD mode: (colocated,
+    disaggregated); a disaggregated prefill never saw the last output.
+    """
 
     num_live: F64  # N: live trajectories
     env_s: F64  # e: env latency of a turn (0 models a turn without env step)
     ctx_tokens: F64  # mean turn-start context, >= 1
     ctx_sq_tokens2: F64  # mean of its square (a full re-prefill costs c * ctx^2)
-    new_tokens: F64  # tokens a turn prefills when its prefix is cached
-    attention_tokens: F64  # 2 * prefix + new: prefill attention cost per new token / c
+    new_tokens: tuple[F64, F64]  # tokens a turn prefills when its prefix is cached
+    attention_tokens: tuple[F64, F64]  # 2 * prefix + new: prefill attention per new token / c
     kv_tokens: F64  # KV of a live trajectory, mid-decode: ctx + o/2
     live_kv_tokens: F64  # N * kv_tokens
 
 
 def segments(
-    turn: TurnShape,
-    num_live: F64,
-    ctx_tokens: F64,
-    ctx_var_tokens2: F64,
-    env_s: F64,
-    disaggregated: bool,
+    turn: TurnShape, num_live: F64, ctx_tokens: F64, ctx_var_tokens2: F64, env_s: F64
 ) -> Segments:
-    """Per-turn token quantities; a disaggregated prefill never saw the last output.
-
-    ``ctx_var_tokens2`` is the variance of the live trajectories' contexts.
-    """
+    """Per-turn token quantities; ``ctx_var_tokens2`` is the variance of the contexts."""
     ctx = np.maximum(ctx_tokens, 1.0)
-    new_tokens = turn.observation_tokens + (turn.output_tokens if disaggregated else 0.0)
-    prefix = np.maximum(ctx - new_tokens, 0.0)
+    by_mode = []
+    for new_tokens in (turn.observation_tokens, turn.growth_tokens):
+        prefix = np.maximum(ctx - new_tokens, 0.0)
+        by_mode.append((ctx - prefix, ctx + prefix))
     kv_tokens = ctx + 0.5 * turn.output_tokens
     return Segments(
         num_live=num_live,
         env_s=env_s,
         ctx_tokens=ctx,
         ctx_sq_tokens2=ctx * ctx + np.maximum(ctx_var_tokens2, 0.0),
-        new_tokens=ctx - prefix,
-        attention_tokens=ctx + prefix,
+        new_tokens=(by_mode[0][0], by_mode[1][0]),
+        attention_tokens=(by_mode[0][1], by_mode[1][1]),
         kv_tokens=kv_tokens,
         live_kv_tokens=num_live * kv_tokens,
     )
 
 
 @dataclass(frozen=True)
-class Cycle:
-    """The turn cycle of each segment; every field has the segments' shape."""
+class CycleDetail:
+    """What binds and how busy the pools are; every field has shape (C, S)."""
 
-    cycle_s: F64  # T: time for every live trajectory to advance one turn
-    latency_s: F64  # T_lat: one trajectory's own prefill + transfer + decode + env
-    throughput_s: F64  # max(T_prefill, T_decode, T_transfer): capacity bound on T
     bound: NDArray[np.intp]  # binding term, a code into BOUND_NAMES
-    decode_batch: F64  # B: per-instance decode batch seen by a decoding sequence
     decode_slot_use: F64  # B / B_max
-    prefill_s: F64  # l_p: prefill latency of one turn
-    transfer_s: F64  # x: KV transfer latency of one turn (0 when colocated)
-    decode_s: F64  # o * tau(B): decode latency of one turn
     prefix_hit: F64  # share of turns whose prefix is still cached on the prefill side
     prefill_use: F64  # busy share of the prefill pool
 
 
-def solve_cycle(g: EngineGroups, turn: TurnShape, seg: Segments, num_iterations: int = 3) -> Cycle:
-    """Cycle time of each segment (``seg`` must match ``g.disaggregated``).
+@dataclass(frozen=True)
+class Cycle:
+    """The turn cycle of each configuration and segment; every array has shape (C, S)."""
+
+    cycle_s: F64  # T: time for every live trajectory to advance one turn
+    latency_s: F64  # T_lat: one trajectory's own prefill + transfer + decode + env
+    throughput_s: F64  # max(T_prefill, T_decode, T_transfer): capacity bound on T
+    decode_batch: F64  # B: per-instance decode batch seen by a decoding sequence
+    prefill_s: F64  # l_p: prefill latency of one turn
+    transfer_s: F64  # x: KV transfer latency of one turn (0 when colocated)
+    decode_s: F64  # o * tau(B): decode latency of one turn
+    env_gap_s: F64 | None  # T minus T without env steps (>= 0), if asked for
+    detail: CycleDetail | None  # if asked for
+
+
+def _by_mode(g: EngineGroups, per_mode: tuple[F64, F64]) -> F64:
+    """A segment quantity that depends on the PD mode: (S,) if one mode, else (C, S)."""
+    if g.disaggregated.all():
+        return per_mode[1]
+    if not g.disaggregated.any():
+        return per_mode[0]
+    return np.where(g.disaggregated, per_mode[1], per_mode[0])
+
+
+def solve_cycle(
+    g: EngineGroups,
+    turn: TurnShape,
+    seg: Segments,
+    num_iterations: int = 3,
+    without_env: bool = False,
+    detail: bool = True,
+) -> Cycle:
+    """Cycle time of each configuration and segment.
 
     The decode-batch fixed point takes ``num_iterations`` tangent steps from B = 1: each
     linearises ``tau`` at the current batch and solves the resulting quadratic exactly,
-    so one group in one batch regime converges in a single step.
+    so one group in one batch regime converges in a single step. Where every segment has
+    N = 1 the fixed point is B = 1 and ``num_iterations=0`` gives it without rounding. With
+    ``without_env`` the cycle of the same segments with no env step is solved as well, for
+    the time the env steps add (``Cycle.env_gap_s``), sharing everything but the fixed
+    point. ``detail=False`` leaves out ``Cycle.detail`` (what binds, utilisations).
     """
-    n, o, ctx, new, kv_tokens = (
-        seg.num_live,
-        turn.output_tokens,
-        seg.ctx_tokens,
-        seg.new_tokens,
-        seg.kv_tokens,
-    )
+    n, o, ctx, kv_tokens = seg.num_live, turn.output_tokens, seg.ctx_tokens, seg.kv_tokens
+    new, attention = _by_mode(g, seg.new_tokens), _by_mode(g, seg.attention_tokens)
 
     # Prefill. Prefix reuse drops when the live contexts overflow the pool's KV cache;
     # a miss re-prefills the whole context. b n + c((p + n)^2 - p^2) = n (b + c (2p + n)).
     hit = np.minimum(1.0, g.kv_prefill_pool_tokens / seg.live_kv_tokens)
     miss = 1.0 - hit
+    hit_r, miss_r, new_r = g.pf_spread(hit), g.pf_spread(miss), g.pf_spread(new)
     work_miss = g.pf_b_s * ctx + g.pf_c_s * seg.ctx_sq_tokens2
-    work = hit * new * (g.pf_b_s + g.pf_c_s * seg.attention_tokens) + miss * work_miss
+    work = hit_r * new_r * (g.pf_b_s + g.pf_c_s * g.pf_spread(attention)) + miss_r * work_miss
     per_batch = np.minimum(
-        np.maximum(g.pf_max_batched_tokens / (hit * new + miss * ctx), 1.0),
-        np.maximum(n / g.num_prefill_instances, 1.0),
+        np.maximum(g.pf_max_batched_tokens / (hit_r * new_r + miss_r * ctx), 1.0),
+        g.pf_spread(np.maximum(n / g.num_prefill_instances, 1.0)),
     )
     work_thr = np.maximum(work + g.pf_a_s / per_batch, _TINY)  # instance time per turn
     rate = g.pf_count / work_thr  # turns/s of each group when busy
-    cap_p = rate.sum(axis=0)
-    prefill_s = (rate * (g.pf_a_s + work)).sum(axis=0) / cap_p
-    miss_share = miss * (rate * work_miss).sum(axis=0) / g.num_prefill_instances
+    cap_p = g.pf_sum(rate)
+    prefill_s = g.pf_sum(rate * (g.pf_a_s + work)) / cap_p
 
     # Decode slots: max_num_seqs or the sequences whose KV fits, whichever is fewer.
     fit = g.dec_kv_capacity_tokens / kv_tokens
     fits = fit >= 1.0
-    b_max = fits * np.minimum(g.dec_max_num_seqs, fit)
+    b_max = np.where(fits, np.minimum(g.dec_max_num_seqs, fit), 0.0)
     n_dec = fits * g.dec_count
-    num_dec = n_dec.sum(axis=0)
+    num_dec = g.dec_sum(n_dec)
     feasible = num_dec > 0
     num_dec = np.maximum(num_dec, _TINY)
-    b_max_mean = np.maximum((n_dec * b_max).sum(axis=0) / num_dec, 1.0)
-    kv_limited = (n_dec * fit).sum(axis=0) < (n_dec * g.dec_max_num_seqs).sum(axis=0)
+    b_max_mean = np.maximum(g.dec_sum(n_dec * b_max) / num_dec, 1.0)
     # Colocated: each step also carries the chunked prefills of the other sequences.
-    inter = g.dec_colocated * work_thr[g.dec_prefill_row] / o
-    per_seq_small = g.dec_small[1] + g.dec_small[2] * kv_tokens + inter
-    per_seq_step = g.dec_large[1] + g.dec_large[2] * kv_tokens + inter - per_seq_small
-    base_small = g.dec_small[0] - inter
-    base_step = g.dec_large[0] - g.dec_small[0]
-    single = n_dec.shape[0] == 1
+    inter = g.dec_colocated * np.take(work_thr, g.dec_prefill_row, axis=0) / o
+    step = _DecodeStep.of(g, kv_tokens, inter, b_max, n_dec, num_dec)
 
-    def step(batch: F64) -> tuple[F64, F64]:
-        """Per-group step time at per-instance batch ``batch`` and its slope in batch."""
-        b = np.minimum(batch, b_max)
-        large = b >= g.dec_large_batch_from
-        per_seq = per_seq_small + large * per_seq_step
-        tau = np.maximum(base_small + large * base_step + b * per_seq, _TINY)
-        return tau, per_seq * (batch < b_max)
-
-    def step_mean(batch: F64) -> tuple[F64, F64]:
-        """Capacity-weighted (harmonic) mean step time over groups, and its slope."""
-        tau, slope = step(batch)
-        if single:
-            return tau[0], slope[0]
-        weight = n_dec / tau
-        tau_mean = num_dec / np.maximum(weight.sum(axis=0), _TINY)
-        return tau_mean, tau_mean**2 / num_dec * (weight * slope / tau).sum(axis=0)
-
-    tau_sat, _ = step(np.full_like(n, np.inf))
+    tau_sat, _ = step.rows(np.asarray(np.inf))
     slots = n_dec * b_max
-    decode_rate = (slots / tau_sat).sum(axis=0)  # tokens/s with every slot busy
-    pure_sat = np.maximum(tau_sat - inter * (b_max - 1.0), _TINY)
-    pure_rate = (slots / pure_sat).sum(axis=0)  # the same without prefill chunks
+    decode_rate = g.dec_sum(slots / tau_sat)  # tokens/s with every slot busy
     t_decode = n * o / np.maximum(decode_rate, _TINY)
     t_prefill = n / cap_p
-    if g.disaggregated:
+    if g.disaggregated.any():
         hit_d = np.minimum(1.0, g.kv_decode_pool_tokens / seg.live_kv_tokens)
         transfer_bytes = g.kv_bytes_per_token * (hit_d * new + (1.0 - hit_d) * ctx)
-        transfer_s = transfer_bytes / g.link_instance_bytes_per_s
-        t_transfer = n * transfer_bytes / g.link_total_bytes_per_s
+        transfer_s = transfer_bytes / g.link_instance_bytes_per_s * g.disaggregated
+        t_transfer = n * transfer_bytes / g.link_total_bytes_per_s * g.disaggregated
         t_bound = np.maximum(np.maximum(t_prefill, t_decode), t_transfer)
     else:
-        transfer_s = t_transfer = np.zeros_like(n)
+        transfer_s = t_transfer = np.zeros_like(t_prefill)
         t_bound = np.maximum(t_prefill, t_decode)
-    fixed_s = prefill_s + transfer_s + seg.env_s
     m = (n - 1.0) / num_dec
-    m_per_bound = m / np.maximum(t_bound, _TINY)
-
-    batch = np.ones_like(n)
-    for _ in range(num_iterations):
-        tau, slope = step_mean(batch)
-        ob = o * slope  # tangent of o * tau at the current batch: oa + ob * B
-        oa = np.maximum(o * tau - ob * batch, 0.0)
-        fixed_oa = fixed_s + oa
-        # Latency-bound: (B - 1)(A + oa + ob B) = m (oa + ob B); its positive root.
-        c0 = fixed_oa + oa * m
-        c1 = fixed_oa - ob * (1.0 + m)
-        root = np.sqrt(c1 * c1 + 4.0 * ob * c0)
-        b_lat = np.where(
-            c1 >= 0.0,
-            2.0 * c0 / np.maximum(c1 + root, _TINY),
-            (root - c1) / np.maximum(2.0 * ob, _TINY),
-        )
-        # Throughput-bound: B - 1 = m (oa + ob B) / T_bound (no root: B runs to B_max).
-        b_thr = (1.0 + m_per_bound * oa) / np.maximum(1.0 - m_per_bound * ob, _TINY)
-        b = np.where(fixed_oa + ob * b_lat >= t_bound, b_lat, b_thr)
-        batch = np.minimum(np.maximum(b, 1.0), b_max_mean)
-
-    tau, _ = step_mean(batch)
-    decode_s = o * tau
-    latency_s = fixed_s + decode_s
+    batching = _Batching(
+        step=step,
+        own_s=prefill_s + transfer_s,
+        others_per_instance=m,
+        others_per_bound_s=m / np.maximum(t_bound, _TINY),
+        throughput_s=t_bound,
+        max_batch=b_max_mean,
+    )
+    batch, decode_s, latency_s = batching.solve(seg.env_s, o, num_iterations)
     cycle_s = np.where(feasible, np.maximum(latency_s, t_bound), np.inf)
+    env_gap_s = None
+    if without_env:
+        # T - T_without_env is 0 where capacity binds (T_without_env >= T_bound = T), so
+        # the fixed point without env steps runs only where latency binds.
+        env_gap_s = np.zeros_like(cycle_s)
+        binds = feasible & (latency_s > t_bound)
+        if step.one_row:
+            where = np.flatnonzero(binds)
+            part = batching.subset(where, cycle_s.shape)
+            latency_0_s = part.solve(0.0, o, num_iterations)[2]
+            gap_s = cycle_s.ravel()[where] - np.maximum(latency_0_s, part.throughput_s)
+            env_gap_s.ravel()[where] = np.maximum(gap_s, 0.0)
+        else:
+            latency_0_s = batching.solve(0.0, o, num_iterations)[2]
+            gap_s = np.maximum(cycle_s - np.maximum(latency_0_s, t_bound), 0.0)
+            env_gap_s = np.where(binds, gap_s, 0.0)
+    cycle = Cycle(
+        cycle_s=cycle_s,
+        latency_s=latency_s,
+        throughput_s=t_bound,
+        decode_batch=batch,
+        prefill_s=prefill_s,
+        transfer_s=transfer_s,
+        decode_s=decode_s,
+        env_gap_s=env_gap_s,
+        detail=None,
+    )
+    if not detail:
+        return cycle
     # The binding term. A saturated decode pool is KV-bound when the KV cache, not
     # max_num_seqs, limits its slots, and prefill-bound when (colocated) prefill chunks
     # take most of each step; a prefill pool is KV-bound when most of its work re-prefills
     # contexts evicted from the prefix cache.
+    kv_limited = g.dec_sum(n_dec * fit) < g.dec_sum(n_dec * g.dec_max_num_seqs)
+    pure_sat = np.maximum(tau_sat - inter * (b_max - 1.0), _TINY)
+    pure_rate = g.dec_sum(slots / pure_sat)  # decode rate without prefill chunks
+    miss_share = miss * g.pf_sum(rate * work_miss) / g.num_prefill_instances
     capacity = np.where(
         t_decode >= np.maximum(t_prefill, t_transfer),
         np.where(kv_limited, KV_CAPACITY, np.where(pure_rate > 2 * decode_rate, PREFILL, DECODE)),
         np.where(t_prefill >= t_transfer, PREFILL, KV_TRANSFER),
     )
     capacity = np.where((capacity == PREFILL) & (miss_share > 0.5), KV_CAPACITY, capacity)
-    bound = np.where(latency_s >= t_bound, LATENCY, capacity)
-    return Cycle(
-        cycle_s=cycle_s,
-        latency_s=latency_s,
-        throughput_s=t_bound,
-        bound=bound,
-        decode_batch=batch,
-        decode_slot_use=batch / b_max_mean,
-        prefill_s=prefill_s,
-        transfer_s=transfer_s,
-        decode_s=decode_s,
-        prefix_hit=hit,
-        prefill_use=np.minimum(n / (cycle_s * cap_p), 1.0),
+    return replace(
+        cycle,
+        detail=CycleDetail(
+            bound=np.where(latency_s >= t_bound, LATENCY, capacity),
+            decode_slot_use=batch / b_max_mean,
+            prefix_hit=hit,
+            prefill_use=np.minimum(n / (cycle_s * cap_p), 1.0),
+        ),
     )
+
+
+@dataclass(frozen=True)
+class _Batching:
+    """Inputs of the decode-batch fixed point, per configuration and segment (C, S)."""
+
+    step: _DecodeStep
+    own_s: F64  # prefill + transfer latency of a turn
+    others_per_instance: F64  # m = (N - 1) / D
+    others_per_bound_s: F64  # m / T_bound
+    throughput_s: F64  # T_bound
+    max_batch: F64  # mean decode slots per instance
+
+    def solve(self, env_s: F64 | float, o: float, num_iterations: int) -> tuple[F64, F64, F64]:
+        """Decode batch B, decode and whole latency of one turn with env steps of ``env_s``."""
+        m, m_per_bound, t_bound = (
+            self.others_per_instance,
+            self.others_per_bound_s,
+            self.throughput_s,
+        )
+        fixed_s = self.own_s + env_s
+        batch = np.ones_like(t_bound)
+        for _ in range(num_iterations):
+            tau, slope = self.step.mean(batch)
+            ob = o * slope  # tangent of o * tau at the current batch: oa + ob * B
+            oa = np.maximum(o * tau - ob * batch, 0.0)
+            fixed_oa = fixed_s + oa
+            # Latency-bound: (B - 1)(A + oa + ob B) = m (oa + ob B); its positive root.
+            c0 = fixed_oa + oa * m
+            c1 = fixed_oa - ob * (1.0 + m)
+            root = np.sqrt(c1 * c1 + 4.0 * ob * c0)
+            b_lat = np.where(
+                c1 >= 0.0,
+                2.0 * c0 / np.maximum(c1 + root, _TINY),
+                (root - c1) / np.maximum(2.0 * ob, _TINY),
+            )
+            # Throughput-bound: B - 1 = m (oa + ob B) / T_bound (no root: B runs to B_max).
+            b_thr = (1.0 + m_per_bound * oa) / np.maximum(1.0 - m_per_bound * ob, _TINY)
+            b = np.where(fixed_oa + ob * b_lat >= t_bound, b_lat, b_thr)
+            batch = np.minimum(np.maximum(b, 1.0), self.max_batch)
+        decode_s = o * self.step.mean(batch)[0]
+        return batch, decode_s, fixed_s + decode_s
+
+    def subset(self, where: Index, shape: tuple[int, int]) -> _Batching:
+        """The entries at flat indices ``where`` of arrays of ``shape``, as 1-D arrays.
+
+        Only with one decode group per configuration (rows are configurations).
+        """
+        return _Batching(
+            step=self.step.subset(where, shape),
+            own_s=_flat_take(self.own_s, where, shape),
+            others_per_instance=_flat_take(self.others_per_instance, where, shape),
+            others_per_bound_s=_flat_take(self.others_per_bound_s, where, shape),
+            throughput_s=_flat_take(self.throughput_s, where, shape),
+            max_batch=_flat_take(self.max_batch, where, shape),
+        )
+
+
+def _flat_take(x: F64, where: Index, shape: tuple[int, int]) -> F64:
+    """Entries at flat indices ``where`` of ``x`` broadcast to ``shape`` (C, S)."""
+    if x.shape == shape:
+        return np.take(x, where)
+    if x.shape == (shape[0], 1):
+        return np.take(x, where // shape[1])
+    return np.take(np.broadcast_to(x, shape), where)
+
+
+@dataclass(frozen=True)
+class _DecodeStep:
+    """Decode step time of each decode row, and its capacity-weighted mean per config.
+
+    Per row, tau = base + B per_seq in the small and in the large batch regime.
+    """
+
+    g: EngineGroups
+    b_max: F64  # decode slots per instance
+    n_dec: F64  # instances whose KV cache holds one context
+    num_dec: F64  # their sum per configuration
+    large_from: F64  # batch from which the large regime applies
+    per_seq_small: F64
+    per_seq_large: F64
+    base_small: F64
+    base_large: F64
+    one_row: bool  # every configuration has one decode row: rows are configurations
+    single: NDArray[np.bool_]  # (C, 1) configurations of one decode row
+
+    @staticmethod
+    def of(
+        g: EngineGroups, kv_tokens: F64, inter: F64, b_max: F64, n_dec: F64, num_dec: F64
+    ) -> _DecodeStep:
+        per_seq_small = g.dec_small[1] + g.dec_small[2] * kv_tokens + inter
+        base_small = g.dec_small[0] - inter
+        sizes = np.diff(np.append(g.dec_start, len(g.dec_owner)))
+        return _DecodeStep(
+            g=g,
+            b_max=b_max,
+            n_dec=n_dec,
+            num_dec=num_dec,
+            large_from=g.dec_large_batch_from,
+            per_seq_small=per_seq_small,
+            per_seq_large=per_seq_small
+            + (g.dec_large[1] + g.dec_large[2] * kv_tokens + inter - per_seq_small),
+            base_small=base_small,
+            base_large=base_small + (g.dec_large[0] - g.dec_small[0]),
+            one_row=len(g.dec_owner) == g.num_configs,
+            single=(sizes == 1)[:, None],
+        )
+
+    def rows(self, batch: F64) -> tuple[F64, F64]:
+        """Per-row step time at per-instance batch ``batch`` and its slope in batch."""
+        b = np.minimum(batch, self.b_max)
+        large = b >= self.large_from
+        per_seq = np.where(large, self.per_seq_large, self.per_seq_small)
+        base = np.where(large, self.base_large, self.base_small)
+        return np.maximum(base + b * per_seq, _TINY), per_seq * (batch < self.b_max)
+
+    def mean(self, batch: F64) -> tuple[F64, F64]:
+        """Capacity-weighted (harmonic) mean step time of each configuration, and its slope."""
+        g = self.g
+        tau, slope = self.rows(g.dec_spread(batch))
+        if self.one_row:
+            return tau, slope
+        weight = self.n_dec / tau
+        tau_mean = self.num_dec / np.maximum(g.dec_sum(weight), _TINY)
+        slope_mean = tau_mean**2 / self.num_dec * g.dec_sum(weight * slope / tau)
+        # A configuration of one group keeps its own step time (no rounding of the mean).
+        tau_mean = np.where(self.single, np.take(tau, g.dec_start, axis=0), tau_mean)
+        slope_mean = np.where(self.single, np.take(slope, g.dec_start, axis=0), slope_mean)
+        return tau_mean, slope_mean
+
+    def subset(self, where: Index, shape: tuple[int, int]) -> _DecodeStep:
+        """The rows' entries at flat indices ``where`` (one row per configuration)."""
+        return replace(
+            self,
+            b_max=_flat_take(self.b_max, where, shape),
+            large_from=_flat_take(self.large_from, where, shape),
+            per_seq_small=_flat_take(self.per_seq_small, where, shape),
+            per_seq_large=_flat_take(self.per_seq_large, where, shape),
+            base_small=_flat_take(self.base_small, where, shape),
+            base_large=_flat_take(self.base_large, where, shape),
+        )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -12,10 +13,21 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pearl.core.pd import InstanceSpec, PDConfig
-from pearl.core.predictor import Prediction, predict, predict_many, prepare
+from pearl.core.predictor import (
+    DEFAULT_MAX_SEGMENTS,
+    Prediction,
+    PreparedWorkload,
+    _end_turns,
+    _offset_s,
+    predict,
+    predict_many,
+    predict_prepared,
+    predict_prepared_many,
+    prepare,
+)
 from pearl.core.profile import RuntimeProfile
 from pearl.core.roles import Role
-from pearl.core.turn_model import TurnShape, engine_groups, segments, solve_cycle
+from pearl.core.turn_model import BOUND_NAMES, TurnShape, engine_groups, segments, solve_cycle
 from pearl.core.workload import TrajectoryProgress, TrajPhase, TurnStats, WorkloadSnapshot
 
 OUT, OBS, E = 256, 256, 2.0  # the profile's per-turn defaults
@@ -310,19 +322,6 @@ def test_mixed_gpu_types_fall_between_the_pure_configurations() -> None:
     assert fast < predict(work, mixed, profile).completion_s < slow
 
 
-def test_predict_many_equals_predict_per_configuration() -> None:
-    profile = make_profile()
-    work = _mixed_workload(np.random.default_rng(7), 200)
-    configs = [
-        colocated(4),
-        disaggregated(2, 6),
-        colocated(2, "a100", 2),
-        PDConfig(),
-        disaggregated(1, 1),
-    ]
-    assert predict_many(work, configs, profile) == [predict(work, c, profile) for c in configs]
-
-
 # --- the decode-batch fixed point -------------------------------------------------------------
 
 
@@ -330,31 +329,31 @@ def test_predict_many_equals_predict_per_configuration() -> None:
 @pytest.mark.parametrize("config", [colocated(4), disaggregated(2, 3, "a100", 2)], ids=["C", "PD"])
 def test_the_decode_batch_is_a_fixed_point(config: PDConfig, env_s: float) -> None:
     profile = make_profile()
-    groups = engine_groups(config, profile)
-    assert groups is not None
+    groups, kept = engine_groups([config], profile)
+    assert groups is not None and kept == [0]
     num_live = np.array([1.0, 2, 16, 64, 256, 1024, 4096])
     ctx = np.full_like(num_live, 6000.0)
-    seg = segments(
-        TurnShape(OUT, OBS, env_s),
-        num_live,
-        ctx,
-        np.zeros_like(ctx),
-        np.full_like(num_live, env_s),
-        groups.disaggregated,
+    turn = TurnShape(OUT, OBS, env_s)
+    seg = segments(turn, num_live, ctx, np.zeros_like(ctx), np.full_like(num_live, env_s))
+    solved = solve_cycle(groups, turn, seg)
+    batch, cycle_s, latency_s, decode_s = (
+        solved.decode_batch[0],
+        solved.cycle_s[0],
+        solved.latency_s[0],
+        solved.decode_s[0],
     )
-    cyc = solve_cycle(groups, TurnShape(OUT, OBS, env_s), seg)
     num_dec = config.count(Role.DECODE) or config.count(Role.COLOCATED)
     b_max = min(
         256.0,
         profile.kv_capacity_tokens(config.instances[-1][0].gpu_type, config.instances[-1][0].tp)
         / (6000 + OUT / 2),
     )
-    implied = 1 + (num_live - 1) * cyc.decode_s / (cyc.cycle_s * num_dec)
-    np.testing.assert_allclose(cyc.decode_batch, np.clip(implied, 1, b_max), rtol=1e-9)
-    assert cyc.decode_batch[0] == 1.0
-    assert (cyc.cycle_s >= cyc.latency_s).all() and (cyc.latency_s >= env_s).all()
-    more = solve_cycle(groups, TurnShape(OUT, OBS, env_s), seg, num_iterations=30)
-    np.testing.assert_allclose(cyc.cycle_s, more.cycle_s, rtol=1e-9)
+    implied = 1 + (num_live - 1) * decode_s / (cycle_s * num_dec)
+    np.testing.assert_allclose(batch, np.clip(implied, 1, b_max), rtol=1e-9)
+    assert batch[0] == 1.0
+    assert (cycle_s >= latency_s).all() and (latency_s >= env_s).all()
+    more = solve_cycle(groups, turn, seg, num_iterations=30)
+    np.testing.assert_allclose(cycle_s, more.cycle_s[0], rtol=1e-9)
 
 
 # --- properties ---------------------------------------------------------------------------------
@@ -399,6 +398,11 @@ SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[Heal
 # test_more_remaining_turns_are_never_faster (at most 0.3% seen).
 MODEL_TOL = 1e-4
 ARTEFACT_TOL = 1e-2
+# Across two workloads (one more turn, a longer env step) merged segments differ, so each
+# prediction carries its own merge error (max 0.9% over random workloads, see
+# docs/predictor.md): 0.37% was the largest violation hypothesis found.
+MERGE_TOL = 1e-2
+max_segments_options = st.sampled_from([None, DEFAULT_MAX_SEGMENTS])
 
 
 def _check(p: Prediction) -> None:
@@ -431,9 +435,9 @@ def test_more_colocated_instances_are_never_slower(
 
 
 @SETTINGS
-@given(st.booleans(), profiles, st.integers(1, 8), st.data())
+@given(st.booleans(), profiles, st.integers(1, 8), max_segments_options, st.data())
 def test_more_remaining_turns_are_never_faster(
-    aligned: bool, profile: RuntimeProfile, c: int, data: st.DataObject
+    aligned: bool, profile: RuntimeProfile, c: int, max_segments: int | None, data: st.DataObject
 ) -> None:
     """Tight when turns are whole and every turn starts at the same context. Otherwise two
     artefacts may shorten the prediction a little: a short-context trajectory that lives
@@ -449,26 +453,201 @@ def test_more_remaining_turns_are_never_faster(
     trajs = (*work.trajectories[:i], longer, *work.trajectories[i + 1 :])
     more = work.model_copy(update={"trajectories": trajs})
     tolerance = MODEL_TOL if aligned else ARTEFACT_TOL
+    tolerance = tolerance if max_segments is None else MERGE_TOL
     for config in (colocated(c), disaggregated(c, 2 * c)):
-        before = predict(work, config, profile).completion_s
-        assert predict(more, config, profile).completion_s >= before * (1 - tolerance)
+        before = predict(work, config, profile, max_segments).completion_s
+        after = predict(more, config, profile, max_segments).completion_s
+        assert after >= before * (1 - tolerance)
 
 
 @SETTINGS
-@given(workloads, profiles, st.integers(1, 8), st.sampled_from([0.1, 1.0, 10.0]))
+@given(
+    workloads, profiles, st.integers(1, 8), st.sampled_from([0.1, 1.0, 10.0]), max_segments_options
+)
 def test_longer_env_latency_is_never_faster(
-    work: WorkloadSnapshot, profile: RuntimeProfile, c: int, extra_s: float
+    work: WorkloadSnapshot,
+    profile: RuntimeProfile,
+    c: int,
+    extra_s: float,
+    max_segments: int | None,
 ) -> None:
     assert work.stats is not None
     slower_env = work.stats.model_copy(update={"env_latency_s": work.stats.env_latency_s + extra_s})
     slower = work.model_copy(update={"stats": slower_env})
+    tolerance = MODEL_TOL if max_segments is None else MERGE_TOL
     for config in (colocated(c), disaggregated(c, 2 * c)):
-        before = predict(work, config, profile).completion_s
-        assert predict(slower, config, profile).completion_s >= before * (1 - MODEL_TOL)
+        before = predict(work, config, profile, max_segments).completion_s
+        after = predict(slower, config, profile, max_segments).completion_s
+        assert after >= before * (1 - tolerance)
 
 
 def test_prepare_is_shared_and_does_not_depend_on_the_configuration() -> None:
     work = _mixed_workload(np.random.default_rng(3), 300)
-    prepared = prepare(work, PROFILE)
+    prepared = prepare(work, PROFILE, max_segments=None)
     assert prepared.num_trajectories == len(work.trajectories) + work.not_started
-    assert prepared.remaining_turns.size <= prepared.num_trajectories
+    assert prepared.num_segments == prepared.num_positions <= prepared.num_trajectories
+
+
+# --- many configurations at once ----------------------------------------------------------------
+
+
+def _random_config(rng: np.random.Generator) -> PDConfig:
+    """0 to 4 groups of random roles, GPU types (b200 is not profiled) and TP (4 is not)."""
+    counts: dict[InstanceSpec, int] = {}
+    for _ in range(int(rng.integers(0, 5))):
+        role = (Role.PREFILL, Role.DECODE, Role.COLOCATED)[int(rng.integers(3))]
+        gpu = str(rng.choice(["h100", "h100", "a100", "a100", "b200"]))
+        tp = int(rng.choice([1, 1, 2, 2, 4]))
+        spec = InstanceSpec(role, gpu, tp)
+        counts[spec] = counts.get(spec, 0) + int(rng.integers(1, 40))
+    return PDConfig.of(counts)
+
+
+def _random_batch(seed: int) -> tuple[WorkloadSnapshot, RuntimeProfile, list[PDConfig]]:
+    rng = np.random.default_rng(seed)
+    profile = [PROFILE, SMALL_KV, make_profile(kv_capacity_tokens=30_000)][seed % 3]
+    n = int(rng.choice([1, 3, 40, 150, 400]))
+    work = _mixed_workload(rng, n, float(rng.choice([0.0, 0.3, 2.0, 15.0])))
+    configs = [_random_config(rng) for _ in range(40)]
+    configs += [PDConfig(), colocated(3), disaggregated(2, 5), colocated(3)]  # empty, repeated
+    return work, profile, configs
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("max_segments", [None, DEFAULT_MAX_SEGMENTS])
+def test_a_configuration_predicts_the_same_alone_and_in_a_batch(
+    seed: int, max_segments: int | None
+) -> None:
+    work, profile, configs = _random_batch(seed)
+    prepared = prepare(work, profile, max_segments)
+    many = predict_prepared_many(prepared, configs)
+    assert many == [predict_prepared(prepared, c) for c in configs]  # bit for bit
+    assert predict_many(work, configs, profile, max_segments) == many
+    assert {p.bottleneck for p in many} >= {"infeasible"}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_batched_path_equals_a_per_configuration_reference(seed: int) -> None:
+    work, profile, configs = _random_batch(seed)
+    prepared = prepare(work, profile, max_segments=None)
+    for config, got in zip(configs, predict_prepared_many(prepared, configs), strict=True):
+        completion_s, bottleneck, breakdown = _reference(prepared, config)
+        assert got.bottleneck == bottleneck
+        assert got.completion_s == pytest.approx(completion_s, rel=1e-9)
+        for name, value in breakdown.items():
+            assert getattr(got.breakdown, name) == pytest.approx(value, rel=1e-9, abs=1e-12), name
+
+
+def _reference(w: PreparedWorkload, config: PDConfig) -> tuple[float, str, dict[str, float]]:
+    """One configuration, step by step as the predictor did before batching.
+
+    Straightforward per-configuration code (one solve, np.interp, np.bincount, dot
+    products) for the parts that batching rewrote: positions, the final-env skip, the
+    critical path, the bottleneck and the weighted means.
+    """
+    groups, _ = engine_groups([config], w.profile)
+    if groups is None:
+        return math.inf, "infeasible", {"critical_path_s": math.inf}
+    e = w.turn.env_s
+    cyc = solve_cycle(groups, w.turn, w.fluid, without_env=e > 0)
+    alone = solve_cycle(groups, w.turn, w.alone_segments, num_iterations=0)
+    if not (np.isfinite(cyc.cycle_s).all() and np.isfinite(alone.cycle_s).all()):
+        return math.inf, "kv_capacity", {"critical_path_s": math.inf}
+    cycle_s = cyc.cycle_s[0]
+    r = np.maximum.accumulate(np.maximum(_end_turns(w.ends, e, cyc, cyc.cycle_s)[0], 0.0))
+    with_env_s = float(np.diff(r, prepend=0.0) @ cycle_s)
+    if e > 0:  # the same segments without env step, solved in full
+        no_env = dataclasses.replace(w.fluid, env_s=np.zeros_like(w.fluid.env_s))
+        gap_s = np.maximum(cycle_s - solve_cycle(groups, w.turn, no_env).cycle_s[0], 0.0)
+        ends = np.concatenate([[0.0], r])
+        added = np.concatenate([[0.0], np.cumsum(np.diff(ends) * gap_s)])
+        start = r - 1.0
+        at_start = np.where(start >= 0.0, np.interp(start, ends, added), start * gap_s[0])
+        skip = (added[1:] - at_start) / cycle_s
+        r = np.maximum.accumulate(np.maximum(r - np.minimum(skip, 1.0), 0.0))
+    dr = np.diff(r, prepend=0.0)
+    seg_s = dr * cycle_s
+    fluid_s = float(seg_s.sum())
+    offset_s = _offset_s(w.alone, e, alone, alone.cycle_s)[0]
+    critical = w.alone.remaining_turns * alone.cycle_s[0] + offset_s - e + w.alone_overrun_s
+    critical_s = max(float(critical.max()), w.env_tail_s, 0.0)
+    assert cyc.detail is not None
+    by_bound = np.bincount(cyc.detail.bound[0], weights=seg_s, minlength=len(BOUND_NAMES))
+    bottleneck = "latency" if critical_s >= fluid_s else BOUND_NAMES[int(by_bound.argmax())]
+    weights = seg_s / fluid_s if fluid_s > 0 else np.full(len(r), 1 / len(r))
+    means = {
+        "mean_decode_batch": cyc.decode_batch,
+        "decode_slot_utilisation": cyc.detail.decode_slot_use,
+        "prefill_utilisation": cyc.detail.prefill_use,
+        "prefill_s_per_turn": cyc.prefill_s,
+        "decode_s_per_turn": cyc.decode_s,
+        "kv_transfer_s_per_turn": cyc.transfer_s,
+        "prefix_hit_rate": cyc.detail.prefix_hit,
+    }
+    breakdown = {name: float(x[0] @ weights) for name, x in means.items()}
+    breakdown |= {
+        "critical_path_s": critical_s,
+        "fluid_s": fluid_s,
+        "throughput_bound_s": float(dr @ cyc.throughput_s[0]),
+        "final_env_saving_s": with_env_s - fluid_s,
+        "cycle_time_s": float(cycle_s[0]),
+        "env_share": float(weights @ (e / cycle_s)),
+        "num_segments": len(r),
+    }
+    return max(fluid_s, critical_s), bottleneck, breakdown
+
+
+# --- merged segments ------------------------------------------------------------------------------
+
+
+def test_many_trajectories_merge_into_a_bounded_number_of_segments() -> None:
+    work = _mixed_workload(np.random.default_rng(11), 2000)
+    prepared = prepare(work, PROFILE)
+    assert prepared.num_positions > 500
+    assert prepared.num_segments <= DEFAULT_MAX_SEGMENTS
+    assert len(prepared.alone_overrun_s) <= DEFAULT_MAX_SEGMENTS
+    configs = [colocated(c) for c in (1, 8, 64)] + [disaggregated(4, 12), disaggregated(16, 48)]
+    for p in predict_prepared_many(prepared, configs):
+        _check(p)
+        assert p.breakdown.num_segments == prepared.num_segments
+
+
+def test_merged_segments_stay_close_to_every_position_as_a_segment() -> None:
+    """Merge error (docs/predictor.md): mean 0.1-0.2%, max 0.9% over random workloads."""
+    errors = []
+    configs = [colocated(c) for c in (2, 16, 64)] + [disaggregated(2, 8), disaggregated(8, 32)]
+    for seed in range(4):
+        work = _mixed_workload(np.random.default_rng(seed), 512, float([0.0, 2.0, 15.0, 0.3][seed]))
+        exact = predict_many(work, configs, SMALL_KV if seed % 2 else PROFILE, max_segments=None)
+        merged = predict_many(work, configs, SMALL_KV if seed % 2 else PROFILE)
+        for a, b in zip(exact, merged, strict=True):
+            errors.append(abs(b.completion_s / a.completion_s - 1))
+            assert b.breakdown.critical_path_s == pytest.approx(a.breakdown.critical_path_s)
+    assert max(errors) < 0.02
+    assert float(np.mean(errors)) < 0.005
+
+
+@SETTINGS
+@given(workloads, profiles, st.integers(2, 8), st.integers(1, 8))
+def test_merged_predictions_keep_the_invariants(
+    work: WorkloadSnapshot, profile: RuntimeProfile, max_segments: int, c: int
+) -> None:
+    prepared = prepare(work, profile, max_segments)
+    assert prepared.num_segments <= max_segments
+    assert len(prepared.alone_overrun_s) <= max_segments
+    for p in predict_prepared_many(prepared, [colocated(c), disaggregated(c, 2 * c)]):
+        _check(p)
+
+
+@pytest.mark.parametrize("turns", [1, 4])
+def test_one_trajectory_is_exact_with_any_segment_bound(turns: int) -> None:
+    profile = constant_profile()
+    work = batch(1, turns)
+    assert predict(work, colocated(1), profile, max_segments=2) == predict(
+        work, colocated(1), profile, max_segments=None
+    )
+
+
+def test_at_least_two_segments() -> None:
+    with pytest.raises(ValueError, match="max_segments"):
+        prepare(batch(4), PROFILE, max_segments=1)

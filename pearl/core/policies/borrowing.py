@@ -17,11 +17,13 @@ Invariant: a forced return's deadline is never later than the open window's.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Sequence
 
 from pearl.core.context import DecisionContext
 from pearl.core.decision import BorrowAction, BorrowKind
 from pearl.core.observation import TrainerPhase
+from pearl.core.state import Gpu
 
 BorrowRule = Callable[[DecisionContext], BorrowAction]
 
@@ -66,9 +68,19 @@ def predictive_rule(ctx: DecisionContext) -> BorrowAction:
         return BorrowAction(BorrowKind.NONE, reason="the trainer is using its GPUs")
     if ctx.obs.workload.num_unfinished == 0:
         return BorrowAction(BorrowKind.NONE, reason="no rollout work left")
-    without = ctx.select(ctx.rollout_gpus(())).best
-    with_lent = ctx.select(ctx.rollout_gpus(trainer_gpus), lending=True).best
+    pool = ctx.rollout_gpus(())
+    selection = ctx.select(pool)
+    without = selection.best
     return_s = ctx.drain_estimate_s + costs.sleep_s + costs.trainer_onload_s
+    most_s = without.effective_s - selection.min_critical_path_s
+    if _same_kind(pool, [ctx.state.gpu_by_id[g] for g in trainer_gpus]) and (
+        most_s - return_s <= cfg.min_gain_s
+    ):
+        return BorrowAction(
+            BorrowKind.NONE,
+            reason=f"lending saves at most {most_s:.1f} s: the critical path binds",
+        )
+    with_lent = ctx.select(ctx.rollout_gpus(trainer_gpus), lending=True).best
     # Each candidate's effective time includes its transition (for the lent one: the
     # offload and the wake); the return comes on top.
     gain_s = without.effective_s - with_lent.effective_s
@@ -89,6 +101,15 @@ def predictive_rule(ctx: DecisionContext) -> BorrowAction:
         overhead_s,
         reason=f"lending saves {gain_s:.1f} s for {overhead_s:.1f} s overhead",
     )
+
+
+def _same_kind(pool: Sequence[Gpu], lent: Sequence[Gpu]) -> bool:
+    """Lending adds no GPU type and no larger node: the configurations predicted on the
+    pool cover every TP combination the lent GPUs allow, so none can finish before the
+    shortest critical path among them (the predictor's completion is never below it)."""
+    types = {g.gpu_type for g in pool} | {g.gpu_type for g in lent}
+    largest_node = max(Counter(g.node for g in pool).values(), default=0)
+    return len(types) == 1 and max(Counter(g.node for g in lent).values()) <= largest_node
 
 
 def never_rule(ctx: DecisionContext) -> BorrowAction:
