@@ -32,6 +32,7 @@ class DecisionContext:
     profile: RuntimeProfile
     now_s: float
     _selections: dict[tuple[GpuBudget, bool], Selection] = field(default_factory=dict)
+    _predictions: dict[PDConfig, Prediction] = field(default_factory=dict)
 
     @cached_property
     def current_config(self) -> PDConfig:
@@ -44,7 +45,10 @@ class DecisionContext:
 
     @cached_property
     def current_prediction(self) -> Prediction:
-        return predict_prepared(self.prepared, self.current_config)
+        config = self.current_config
+        if config not in self._predictions:
+            self._predictions[config] = predict_prepared(self.prepared, config)
+        return self._predictions[config]
 
     def trainer_gpu_ids(self) -> tuple[str, ...]:
         """The base-train GPUs, in the order of the state."""
@@ -95,14 +99,16 @@ class DecisionContext:
         key = (budget, lending)
         if key not in self._selections:
             inv = inventory(self.state, (g.gpu_id for g in pool), lending)
-            drain_s = self.drain_estimate_s
             costs = self.profile.costs
             self._selections[key] = select_pd(
                 self.prepared,
                 budget,
                 self.cfg.selection,
                 extra=[self.current_config],
-                transition_s=lambda c: estimate_transition_s(inv, c, costs, drain_s),
+                # The drain estimate needs the running configuration's prediction, which
+                # this call makes among its first batch: read it only when ranking.
+                transition_s=lambda c: estimate_transition_s(inv, c, costs, self.drain_estimate_s),
+                known=self._predictions,
             )
         return self._selections[key]
 

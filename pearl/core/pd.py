@@ -43,7 +43,7 @@ class PDConfig:
 
     @staticmethod
     def of(counts: Mapping[InstanceSpec, int] | Iterable[InstanceSpec]) -> PDConfig:
-        c = Counter(counts) if not isinstance(counts, Mapping) else Counter(dict(counts))
+        c = counts if isinstance(counts, Mapping) else Counter(counts)
         return PDConfig(tuple(sorted((s, n) for s, n in c.items() if n > 0)))
 
     def counts(self) -> Counter[InstanceSpec]:

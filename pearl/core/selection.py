@@ -39,9 +39,9 @@ from pearl.core.profile import RuntimeProfile
 from pearl.core.roles import Role
 
 _MAX_TP_COMBOS = 64
-_GRID_POINTS = 9  # first probe of every TP pair, geometric
+_GRID_POINTS = 7  # first probe of every TP pair, geometric
 _REFINE_POINTS = 17  # per bracket and round, even
-_PAIRS_REFINED = 3
+_PAIRS_REFINED = 2
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,7 @@ def select_pd(
     cfg: SelectionConfig,
     extra: Sequence[PDConfig] = (),
     transition_s: Callable[[PDConfig], float] | None = None,
+    known: dict[PDConfig, Prediction] | None = None,
 ) -> Selection:
     """The configuration with the smallest predicted completion time, and the runners-up.
 
@@ -91,14 +92,17 @@ def select_pd(
     its profile. ``extra`` configurations (e.g. the one running now) are ranked alongside
     when they fit the budget. With ``transition_s``, candidates rank by transition plus
     completion, so a target whose transition would eat its gain loses to a cheaper one.
+    ``known``: predictions of this workload made before (a prediction does not depend on
+    the budget), read and extended.
     """
     profile = prepared.profile
+    known = {} if known is None else known
     evaluated: dict[PDConfig, Prediction] = {}
 
     def evaluate(configs: Sequence[PDConfig]) -> list[float]:
-        new = [c for c in dict.fromkeys(configs) if c not in evaluated]
-        for c, p in zip(new, predict_prepared_many(prepared, new), strict=True):
-            evaluated[c] = p
+        new = [c for c in dict.fromkeys(configs) if c not in evaluated and c not in known]
+        known.update(zip(new, predict_prepared_many(prepared, new), strict=True))
+        evaluated.update((c, known[c]) for c in configs)
         return [evaluated[c].completion_s for c in configs]
 
     notes = tuple(
@@ -121,14 +125,28 @@ def select_pd(
         _search_splits(layouts, evaluate, first=[*fitting_extra, *colocated])
     if not evaluated:
         evaluate([PDConfig()])
-    cost = transition_s or (lambda _: 0.0)
-    scored = [
-        Candidate(c, p, cost(c) if p.completion_s < math.inf else 0.0) for c, p in evaluated.items()
-    ]
-    scored.sort(key=lambda c: (c.effective_s, c.config.num_gpus, c.config))
-    candidates = tuple(scored[: cfg.top_k])
+    candidates = _rank(evaluated, transition_s or (lambda _: 0.0), cfg.top_k)
     min_critical_s = min(p.breakdown.critical_path_s for p in evaluated.values())
     return Selection(candidates[0], candidates, len(evaluated), exhaustive, notes, min_critical_s)
+
+
+def _rank(
+    evaluated: dict[PDConfig, Prediction], cost: Callable[[PDConfig], float], top_k: int
+) -> tuple[Candidate, ...]:
+    """The ``top_k`` candidates by transition plus completion. Transitions are estimated in
+    order of completion, and no further once a completion alone exceeds the ``top_k``-th
+    best total (a transition is never negative, so no later candidate can enter)."""
+    by_completion = sorted(evaluated.items(), key=lambda kv: (kv[1].completion_s, kv[0]))
+    scored: list[Candidate] = []
+    for config, prediction in by_completion:
+        if len(scored) >= top_k:
+            kth_s = sorted(c.effective_s for c in scored)[top_k - 1]
+            if prediction.completion_s > kth_s:
+                break
+        finite = prediction.completion_s < math.inf
+        scored.append(Candidate(config, prediction, cost(config) if finite else 0.0))
+    scored.sort(key=lambda c: (c.effective_s, c.config.num_gpus, c.config))
+    return tuple(scored[:top_k])
 
 
 def _times(c: Candidate) -> str:
