@@ -49,6 +49,7 @@ from dataclasses import dataclass, fields, replace
 import numpy as np
 from numpy.typing import NDArray
 
+from pearl.core.engine_groups import EngineGroups, engine_groups
 from pearl.core.pd import PDConfig
 from pearl.core.prepared import (
     DEFAULT_MAX_SEGMENTS,
@@ -59,7 +60,7 @@ from pearl.core.prepared import (
     steps,
 )
 from pearl.core.profile import RuntimeProfile
-from pearl.core.turn_model import BOUND_NAMES, Cycle, EngineGroups, engine_groups, solve_cycle
+from pearl.core.turn_model import BOUND_NAMES, Cycle, solve_cycle
 from pearl.core.workload import WorkloadSnapshot
 
 __all__ = [

@@ -37,8 +37,9 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import NDArray
 
+from pearl.core.engine_groups import TurnShape
 from pearl.core.profile import RuntimeProfile
-from pearl.core.turn_model import Segments, TurnShape, segments
+from pearl.core.turn_model import Segments, segments
 from pearl.core.workload import TrajPhase, WorkloadSnapshot
 
 F64 = NDArray[np.float64]

@@ -12,6 +12,7 @@ from conftest import make_profile
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pearl.core.engine_groups import TurnShape, engine_groups
 from pearl.core.pd import InstanceSpec, PDConfig
 from pearl.core.predictor import (
     DEFAULT_MAX_SEGMENTS,
@@ -27,7 +28,7 @@ from pearl.core.predictor import (
 )
 from pearl.core.profile import RuntimeProfile
 from pearl.core.roles import Role
-from pearl.core.turn_model import BOUND_NAMES, TurnShape, engine_groups, segments, solve_cycle
+from pearl.core.turn_model import BOUND_NAMES, segments, solve_cycle
 from pearl.core.workload import TrajectoryProgress, TrajPhase, TurnStats, WorkloadSnapshot
 
 OUT, OBS, E = 256, 256, 2.0  # the profile's per-turn defaults
