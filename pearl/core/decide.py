@@ -91,7 +91,16 @@ def decide_pearl(
         f"plan: {len(plan.steps)} steps, {plan.makespan_s:.1f} s; {plan.reason}",
     )
     return Decision(
-        now_s, cfg.policy, ctx.state, plan, verdict, borrow, elastic, current, selection, reasons
+        time_s=now_s,
+        policy=cfg.policy,
+        reasons=reasons,
+        plan=plan,
+        switch=verdict,
+        borrow=borrow,
+        elastic=elastic,
+        current=current,
+        selection=selection,
+        state=ctx.state,
     )
 
 

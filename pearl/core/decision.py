@@ -6,7 +6,7 @@ then executes the plan, the borrow action and the elastic requests and releases.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
 
 from pearl.core.plan import TransitionPlan
@@ -63,14 +63,14 @@ class SwitchVerdict:
 class Decision:
     time_s: float
     policy: str
-    state: ClusterState  # the state after folding in the observation
+    reasons: tuple[str, ...]  # one line per stage, for people and logs
     plan: TransitionPlan
     switch: SwitchVerdict
     borrow: BorrowAction
     elastic: ElasticAction
     current: Prediction  # of the configuration running now, on the batch left
-    selection: Selection | None  # None when no selection was needed
-    reasons: tuple[str, ...] = field(default=())
+    selection: Selection  # the ranked candidates behind the target
+    state: ClusterState  # the state after folding in the observation; last, it is long
 
     def summary(self) -> str:
         """A few lines for people: what was decided and why."""

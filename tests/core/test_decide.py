@@ -56,7 +56,7 @@ def test_a_state_at_its_best_target_gets_an_empty_plan(profile: RuntimeProfile) 
     state = settle(build_state(Layout(1, 2, 1)), _obs(), cfg, profile, 10.0)
     again = decide(state, _obs(), cfg, profile, 20.0)
     assert again.plan.empty
-    assert again.selection is not None and config_of(state) == again.selection.best.config
+    assert config_of(state) == again.selection.best.config
 
 
 def test_margin_rule_keeps_the_running_config_for_small_gains(profile: RuntimeProfile) -> None:
