@@ -102,11 +102,6 @@ class GpuBudget:
         return sum(sum(ns) for t, ns in self.nodes if gpu_type in (None, t))
 
 
-def instance_slots(node_sizes: Iterable[int], tp: int) -> int:
-    """How many instances of ``tp`` GPUs fit on nodes of the given free sizes."""
-    return sum(n // tp for n in node_sizes)
-
-
 def fits(node_sizes: tuple[int, ...], tps: Iterable[int]) -> bool:
     """Whether instances of the given TP degrees pack onto the nodes.
 
