@@ -1,0 +1,1 @@
+"""Discrete-event simulator of pearl (pure: no I/O, virtual clock)."""
