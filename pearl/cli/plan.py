@@ -47,7 +47,9 @@ def run(args: argparse.Namespace) -> int:
         except UnknownName as err:
             field, _, problem = str(err).partition(": ")
             raise InputError(args.config, field, problem) from None
-    profile = load_profile(doc.profile, relative_to=args.state_file.parent)
+    profile = load_profile(
+        doc.profile, relative_to=args.state_file.parent, named_in=args.state_file
+    )
     decision = decide(doc.state, doc.observation, cfg, profile, doc.now_s)
     print(dumps(decision))
     print(decision.summary(), file=sys.stderr)

@@ -64,8 +64,12 @@ def parse(model: type[M], data: Any, path: str | Path, field: str = "") -> M:
         raise InputError(path, _join(field, loc), problem) from None
 
 
-def load_profile(name_or_path: str, relative_to: Path | None = None) -> RuntimeProfile:
-    """A shipped profile by name (``qwen3-8b``) or a YAML file by path."""
+def load_profile(
+    name_or_path: str, relative_to: Path | None = None, named_in: Path | None = None
+) -> RuntimeProfile:
+    """A shipped profile by name (``qwen3-8b``) or a YAML file by path (relative to
+    ``relative_to``); an unknown one is reported against ``named_in``, the document that
+    named it, when given."""
     shipped = resources.files("pearl") / "profiles" / f"{name_or_path}.yaml"
     if shipped.is_file():
         return parse(
@@ -76,7 +80,11 @@ def load_profile(name_or_path: str, relative_to: Path | None = None) -> RuntimeP
         path = relative_to / path
     if not path.exists():
         names = ", ".join(shipped_profiles())
-        raise InputError(path, "profile", f"neither a file nor a shipped profile ({names})")
+        raise InputError(
+            named_in or path,
+            "profile",
+            f"{name_or_path!r} is neither a file nor a shipped profile ({names})",
+        )
     return parse(RuntimeProfile, read_document(path), path)
 
 

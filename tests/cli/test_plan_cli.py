@@ -182,3 +182,12 @@ def test_config_field_error(tmp_path: Path) -> None:
     proc = run_pearl("plan", ROOT / "examples/states/small-homogeneous.json", "--config", cfg)
     assert proc.returncode == 2
     assert f"{cfg}: borrowing.max_return_delay_s: Input should be greater than 0" in proc.stderr
+
+
+def test_unknown_profile_is_reported_against_the_state_file(tmp_path: Path) -> None:
+    data = _example()
+    data["profile"] = "qwen9"
+    path = _write(tmp_path, data)
+    proc = run_pearl("plan", path)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith(f"pearl: error: {path}: profile: 'qwen9' is neither a file")
