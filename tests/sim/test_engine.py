@@ -1,0 +1,266 @@
+"""The step-level engine model: closed forms, batching, prefix reuse, KV control, PD."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pearl.core.profile import (
+    DecodeCoeffs,
+    DecodeRegime,
+    EngineProfile,
+    GpuProfile,
+    ModelSpec,
+    PrefillCoeffs,
+    RuntimeProfile,
+    TransitionCosts,
+    WorkloadDefaults,
+)
+from pearl.core.roles import Role
+from pearl.sim.engine import EngineModel, Request, StepResult, kv_transfer_s
+from pearl.sim.kv_cache import BLOCK_TOKENS
+
+CAPACITY_TOKENS = 100_000
+
+
+def engine_profile(max_batched_tokens: int = 8192, max_num_seqs: int = 256) -> EngineProfile:
+    """Round, plausible coefficients of an 8B-like model on one GPU (not measurements)."""
+    return EngineProfile(
+        tp=1,
+        prefill=PrefillCoeffs(a_s=0.01, b_s_per_token=5e-5, c_s_per_token2=1e-10),
+        decode=DecodeCoeffs(
+            small=DecodeRegime(base_s=0.010, per_seq_s=5e-5, per_ctx_token_s=1e-8),
+            large=DecodeRegime(base_s=0.008, per_seq_s=8e-5, per_ctx_token_s=1e-8),
+            large_batch_from=64,
+        ),
+        max_num_seqs=max_num_seqs,
+        max_batched_tokens=max_batched_tokens,
+        kv_capacity_tokens=CAPACITY_TOKENS,
+    )
+
+
+def runtime_profile() -> RuntimeProfile:
+    gpu = GpuProfile(
+        memory_gb=80.0,
+        kv_transfer_gb_per_s=25.0,
+        kv_transfer_intra_node_gb_per_s=300.0,
+        engines=(engine_profile(),),
+    )
+    return RuntimeProfile(
+        model=ModelSpec(name="t-8b", num_layers=36, num_kv_heads=8, head_dim=128, weights_gb=16),
+        gpus={"h100": gpu},
+        costs=TransitionCosts(
+            engine_cold_start_s=60,
+            wake_s=5,
+            sleep_s=3,
+            role_switch_s=2,
+            migrate_s=1,
+            stop_s=5,
+            weight_sync_s=10,
+            trainer_offload_s=20,
+            trainer_onload_s=20,
+            train_step_s=120,
+        ),
+        workload=WorkloadDefaults(
+            prompt_tokens=1024,
+            output_tokens_per_turn=256,
+            observation_tokens_per_turn=256,
+            env_latency_s=2,
+            turns_per_trajectory=4,
+        ),
+    )
+
+
+def make_engine(
+    role: Role = Role.COLOCATED, capacity_tokens: int = CAPACITY_TOKENS, **kwargs: int
+) -> EngineModel:
+    return EngineModel(role, engine_profile(**kwargs), capacity_tokens)
+
+
+def run_to_end(engine: EngineModel, max_steps: int = 1, limit: int = 100_000) -> list[StepResult]:
+    results = []
+    while engine.has_work:
+        results.append(engine.step(max_steps))
+        assert engine.kv_used_tokens <= engine.kv.num_blocks * BLOCK_TOKENS
+        assert len(results) < limit, "engine does not make progress"
+    return results
+
+
+def decode_alone_s(ctx_tokens: int, output_tokens: int) -> float:
+    decode = engine_profile().decode
+    return sum(float(decode.step_s(1, ctx_tokens + k)) for k in range(output_tokens))
+
+
+@pytest.mark.parametrize("max_steps", [1, 7, 10_000])
+def test_one_request_alone_takes_prefill_plus_decode_steps(max_steps: int) -> None:
+    engine = make_engine()
+    engine.submit(Request("r", "t", context_tokens=1000, output_tokens=50))
+    results = run_to_end(engine, max_steps)
+    expected_s = engine_profile().prefill.batch_s(1000) + decode_alone_s(1000, 50)
+    assert sum(r.duration_s for r in results) == pytest.approx(expected_s, rel=1e-12)
+    assert sum(r.num_steps for r in results) == 51
+    assert [f.request.request_id for r in results for f in r.finished] == ["r"]
+    assert results[-1].finished[0].finish_offset_s == results[-1].duration_s
+    assert engine.step() == engine.step() and engine.step().duration_s == 0.0
+
+
+def test_a_request_joining_mid_decode_changes_the_step_as_the_formula_says() -> None:
+    p = engine_profile()
+    engine = make_engine()
+    engine.submit(Request("a", "ta", context_tokens=500, output_tokens=100))
+    for _ in range(11):  # prefill, then 10 tokens
+        engine.step()
+    assert engine.num_generated("a") == 10
+    engine.submit(Request("b", "tb", context_tokens=300, output_tokens=20))
+    mixed = engine.step()  # a decodes (510 in context) while b prefills
+    assert mixed.duration_s == pytest.approx(
+        float(p.decode.step_s(1, 510)) + p.prefill.batch_s([300], [0]), rel=1e-12
+    )
+    assert (mixed.num_decode_seqs, mixed.num_prefill_tokens) == (1, 300)
+    both = engine.step()
+    assert both.duration_s == pytest.approx(float(p.decode.step_s(2, 511 + 300)), rel=1e-12)
+    assert both.num_generated_tokens == 2
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_of_the_token_budget() -> None:
+    engine = make_engine(max_batched_tokens=512)
+    engine.submit(Request("r", "t", context_tokens=1300, output_tokens=3))
+    results = run_to_end(engine)
+    prefill = [r.num_prefill_tokens for r in results if r.num_prefill_tokens]
+    assert prefill == [512, 512, 276] and len(prefill) == math.ceil(1300 / 512)
+    p = engine_profile().prefill
+    assert results[1].duration_s == pytest.approx(p.batch_s([512], [512]))
+    assert sum(r.num_decode_seqs for r in results) == 3
+
+
+def test_the_next_turn_prefills_only_new_tokens_while_its_prefix_is_cached() -> None:
+    p = engine_profile().prefill
+    engine = make_engine(capacity_tokens=2048)
+    engine.submit(Request("t1-0", "t1", context_tokens=1000, output_tokens=100))
+    run_to_end(engine, max_steps=1000)
+    cached = (1100 // BLOCK_TOKENS) * BLOCK_TOKENS
+    assert engine.cached_tokens("t1") == cached
+    engine.submit(Request("t1-1", "t1", context_tokens=1300, output_tokens=10))
+    first = engine.step()
+    assert first.num_prefill_tokens == 1300 - cached
+    assert first.duration_s == pytest.approx(p.batch_s([1300 - cached], [cached]))
+    run_to_end(engine, max_steps=1000)
+    # another trajectory needs the blocks: t1's prefix is evicted, its next turn pays in full
+    engine.submit(Request("t2-0", "t2", context_tokens=1500, output_tokens=10))
+    run_to_end(engine)
+    assert engine.cached_tokens("t1") == 0
+    engine.submit(Request("t1-2", "t1", context_tokens=1400, output_tokens=10))
+    assert engine.step().num_prefill_tokens == 1400
+
+
+def test_a_fully_cached_prompt_recomputes_its_last_token() -> None:
+    engine = make_engine()
+    engine.submit(Request("a", "t", context_tokens=64, output_tokens=16))
+    run_to_end(engine)
+    engine.submit(Request("b", "t", context_tokens=64, output_tokens=1))
+    assert engine.step().num_prefill_tokens == 1
+
+
+def test_kv_pressure_queues_and_preempts_and_everything_finishes() -> None:
+    engine = make_engine(capacity_tokens=1024)
+    for i in range(6):
+        engine.submit(Request(f"r{i}", f"t{i}", context_tokens=300, output_tokens=200))
+    results = run_to_end(engine)
+    assert max(r.num_decode_seqs for r in results) <= 3
+    assert sum(len(r.preempted) for r in results) > 0
+    finished = sorted(f.request.request_id for r in results for f in r.finished)
+    assert finished == [f"r{i}" for i in range(6)]
+    assert sum(r.num_generated_tokens for r in results) == 6 * 200
+
+
+requests_strategy = st.lists(
+    st.tuples(st.integers(1, 600), st.integers(1, 300)), min_size=1, max_size=12
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    requests=requests_strategy,
+    capacity_tokens=st.sampled_from([1024, 2048, 8192]),
+    max_num_seqs=st.integers(1, 8),
+    max_batched_tokens=st.sampled_from([64, 512, 8192]),
+    max_steps=st.sampled_from([1, 5, 1000]),
+)
+def test_every_request_finishes_once_and_kv_never_overflows(
+    requests: list[tuple[int, int]],
+    capacity_tokens: int,
+    max_num_seqs: int,
+    max_batched_tokens: int,
+    max_steps: int,
+) -> None:
+    def run() -> list[StepResult]:
+        engine = make_engine(
+            capacity_tokens=capacity_tokens,
+            max_num_seqs=max_num_seqs,
+            max_batched_tokens=max_batched_tokens,
+        )
+        for i, (ctx, out) in enumerate(requests):
+            engine.submit(Request(f"r{i}", f"t{i % 3}", ctx, out))
+        return run_to_end(engine, max_steps)  # asserts the KV bound after every step
+
+    results = run()
+    finished = sorted(f.request.request_id for r in results for f in r.finished)
+    assert finished == sorted(f"r{i}" for i in range(len(requests)))
+    assert sum(r.num_generated_tokens for r in results) == sum(o for _, o in requests)
+    assert all(r.duration_s > 0 for r in results)
+    assert run() == results  # same inputs, same outputs
+
+
+def test_prefill_then_decode_on_another_instance_adds_the_transfer() -> None:
+    profile = runtime_profile()
+    prefill = EngineModel.from_profile(Role.PREFILL, profile, "h100", 1)
+    decode = EngineModel.from_profile(Role.DECODE, profile, "h100", 1)
+    prefill.submit(Request("r", "t", context_tokens=1000, output_tokens=20))
+    step = prefill.step()
+    assert [h.kv_tokens for h in step.handoffs] == [1000] and not prefill.has_work
+    assert prefill.cached_tokens("t") == (1000 // BLOCK_TOKENS) * BLOCK_TOKENS
+    transfer_s = kv_transfer_s(1000, profile, "h100", same_node=False)
+    assert transfer_s == pytest.approx(1000 * profile.model.kv_bytes_per_token / 25e9)
+    decode.submit(Request("r", "t", context_tokens=1000, output_tokens=20, kv_ready_tokens=1000))
+    decode_s = sum(r.duration_s for r in run_to_end(decode))
+    total_s = step.handoffs[0].ready_offset_s + transfer_s + decode_s
+    expected_s = engine_profile().prefill.batch_s(1000) + transfer_s + decode_alone_s(1000, 20)
+    assert total_s == pytest.approx(expected_s, rel=1e-12)
+    assert kv_transfer_s(1000, profile, "h100", same_node=True) < transfer_s
+
+
+def test_abort_returns_the_partial_output_to_continue_elsewhere() -> None:
+    engine = make_engine()
+    engine.submit(Request("r", "t", context_tokens=400, output_tokens=50))
+    for _ in range(11):
+        engine.step()
+    partial = engine.abort("r")
+    assert partial is not None and partial.num_generated_tokens == 10
+    assert engine.abort("r") is None and not engine.has_work
+    assert engine.kv.num_held_blocks == 0
+    rest = partial.continuation("r2")
+    assert (rest.context_tokens, rest.output_tokens) == (410, 40)
+
+
+def test_drain_hands_back_the_queue_and_abort_all_takes_the_rest() -> None:
+    engine = make_engine(max_num_seqs=1)
+    for i in range(3):
+        engine.submit(Request(f"r{i}", "t", context_tokens=100, output_tokens=30))
+    for _ in range(5):
+        engine.step()
+    drained = engine.drain()
+    assert [p.request.request_id for p in drained] == ["r1", "r2"]
+    with pytest.raises(ValueError, match="draining"):
+        engine.submit(Request("r3", "t", 10, 10))
+    taken = engine.abort_all()
+    assert [(p.request.request_id, p.num_generated_tokens) for p in taken] == [("r0", 4)]
+    assert not engine.has_work
+
+
+def test_a_request_that_can_never_fit_is_refused() -> None:
+    engine = make_engine(capacity_tokens=1024)
+    with pytest.raises(ValueError, match="never fit"):
+        engine.submit(Request("r", "t", context_tokens=1000, output_tokens=100))
