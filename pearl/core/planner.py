@@ -13,7 +13,8 @@ A plan (``pearl.core.plan``) is a diff: workers that already fit the target are 
    of the class (switch an active one, wake an asleep one) or to a new start, by a min-cost
    assignment: fewest changes (a big-M term), then fewest seconds. Unmatched active engines
    leave as in 1; unmatched asleep ones stay asleep.
-4. Place new instances (``pearl.core.placement``), then order the steps with dependencies.
+4. Place new instances (``pearl.core.placement``), then order the steps with dependencies
+   (``pearl.core.plan_steps``).
 
 Conventions: ``draining``/``stopping`` engines count as nothing: the plan finishes them
 (stop, or sleep on base-train GPUs). ``starting``/``switching`` engines hold no requests
@@ -36,66 +37,20 @@ Invariants (asserted by ``tests/core/test_planner.py``):
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 
 from pearl.core.pd import InstanceSpec
 from pearl.core.placement import Hold, Placement, place_instances
-from pearl.core.plan import Action, PlanStep, Target, TransitionPlan
-from pearl.core.profile import RuntimeProfile, TransitionCosts
+from pearl.core.plan import Action, Target, TransitionPlan
+from pearl.core.plan_steps import PlanContext, WorkerDecisions, build_steps, is_stale, summarize
+from pearl.core.profile import RuntimeProfile
 from pearl.core.roles import GpuSource, Phase, Role, WorkerKind
 from pearl.core.state import AllocationStatus, ClusterState, Gpu, Worker
 
 _Class = tuple[str, int]  # (GPU type, tp): engines are reusable only within a class
 _SETTLING = frozenset({Phase.STARTING, Phase.READY, Phase.SWITCHING})  # end in ready alone
-
-
-@dataclass
-class _Ctx:
-    """Inputs of one planning call, with the derived pool."""
-
-    state: ClusterState
-    target: Target
-    costs: TransitionCosts
-    now_s: float
-    drain_estimate_s: float
-    lent: frozenset[str] = frozenset()
-    pool: set[str] = field(default_factory=set)
-    problems: list[str] = field(default_factory=list)
-
-    def gpu_type(self, w: Worker) -> str:
-        return self.state.gpu_by_id[w.gpu_ids[0]].gpu_type
-
-    def on_base_train(self, w: Worker) -> bool:
-        gpus = self.state.gpu_by_id
-        return all(gpus[g].source is GpuSource.BASE_TRAIN for g in w.gpu_ids)
-
-    def release_action(self, w: Worker) -> Action:
-        """How an engine leaves its role: sleep on base-train GPUs, stop elsewhere."""
-        if w.active and w.phase is not Phase.STOPPING and self.on_base_train(w):
-            return Action.SLEEP
-        return Action.STOP
-
-    def release_s(self, w: Worker) -> float:
-        sleep = self.release_action(w) is Action.SLEEP
-        return self.costs.sleep_s if sleep else self.costs.stop_s
-
-
-@dataclass
-class _Decisions:
-    """What happens to each worker; workers in none of these are left alone."""
-
-    offload: list[Worker] = field(default_factory=list)
-    onload: list[Worker] = field(default_factory=list)
-    kept: list[Worker] = field(default_factory=list)
-    switch: dict[str, Role] = field(default_factory=dict)  # active engine -> new role
-    wake: dict[str, Role] = field(default_factory=dict)  # asleep engine -> new role
-    release: dict[str, tuple[Action, str]] = field(default_factory=dict)  # STOP/SLEEP, why
-    asleep_left: list[Worker] = field(default_factory=list)  # asleep engines in the pool
-    new: list[InstanceSpec] = field(default_factory=list)
 
 
 def plan_transition(
@@ -106,27 +61,27 @@ def plan_transition(
     drain_estimate_s: float = 0.0,
 ) -> TransitionPlan:
     """The plan from ``state`` to ``target`` with the fewest changes, then the lowest cost."""
-    ctx = _Ctx(state, target, profile.costs, now_s, drain_estimate_s)
+    ctx = PlanContext(state, target, profile.costs, now_s, drain_estimate_s)
     _check_target(ctx, profile)
     ctx.lent = _valid_lent(ctx)
     ctx.pool = _pool(ctx)
-    d = _Decisions()
+    d = WorkerDecisions()
     _plan_trainers(ctx, d)
     active, asleep = _sort_engines(ctx, d)
     rows, rest = _keep(ctx, d, active)
     for cls in sorted(set(rows) | set(rest) | set(asleep)):
         _assign_class(ctx, d, cls, rows.get(cls, []), rest.get(cls, []), asleep.get(cls, []))
     placement = _place(ctx, d)
-    return _summarize(ctx, d, _build_steps(ctx, d, placement))
+    return summarize(ctx, d, build_steps(ctx, d, placement))
 
 
-def _check_target(ctx: _Ctx, profile: RuntimeProfile) -> None:
+def _check_target(ctx: PlanContext, profile: RuntimeProfile) -> None:
     for spec, _ in ctx.target.config.instances:
         if profile.engine(spec.gpu_type, spec.tp) is None:
             ctx.problems.append(f"no engine profile for {spec.label()}")
 
 
-def _valid_lent(ctx: _Ctx) -> frozenset[str]:
+def _valid_lent(ctx: PlanContext) -> frozenset[str]:
     gpus = ctx.state.gpu_by_id
     lent = set()
     for gid in sorted(ctx.target.lent_gpu_ids):
@@ -137,7 +92,7 @@ def _valid_lent(ctx: _Ctx) -> frozenset[str]:
     return frozenset(lent)
 
 
-def _pool(ctx: _Ctx) -> set[str]:
+def _pool(ctx: PlanContext) -> set[str]:
     allocations = ctx.state.allocation_by_id
     pool = set()
     for g in ctx.state.gpus:
@@ -150,7 +105,7 @@ def _pool(ctx: _Ctx) -> set[str]:
     return pool
 
 
-def _plan_trainers(ctx: _Ctx, d: _Decisions) -> None:
+def _plan_trainers(ctx: PlanContext, d: WorkerDecisions) -> None:
     """Offload trainers whose GPUs are lent, onload the others; shrink the pool if stuck."""
     for w in ctx.state.workers:
         if w.kind is not WorkerKind.TRAINER or not w.live:
@@ -167,7 +122,7 @@ def _plan_trainers(ctx: _Ctx, d: _Decisions) -> None:
 
 
 def _sort_engines(
-    ctx: _Ctx, d: _Decisions
+    ctx: PlanContext, d: WorkerDecisions
 ) -> tuple[dict[InstanceSpec, list[Worker]], dict[_Class, list[Worker]]]:
     """Active engines in the pool by spec, wake candidates by class; the rest decided."""
     active: dict[InstanceSpec, list[Worker]] = defaultdict(list)
@@ -195,7 +150,7 @@ def _sort_engines(
 
 
 def _keep(
-    ctx: _Ctx, d: _Decisions, active: dict[InstanceSpec, list[Worker]]
+    ctx: PlanContext, d: WorkerDecisions, active: dict[InstanceSpec, list[Worker]]
 ) -> tuple[dict[_Class, list[Role]], dict[_Class, list[Worker]]]:
     """Keep engines that fit; return the unmet instances (roles) and the other engines."""
     wanted = ctx.target.config.counts()
@@ -213,8 +168,8 @@ def _keep(
 
 
 def _assign_class(
-    ctx: _Ctx,
-    d: _Decisions,
+    ctx: PlanContext,
+    d: WorkerDecisions,
     cls: _Class,
     rows: list[Role],
     active: list[Worker],
@@ -252,7 +207,7 @@ def _asleep_order(w: Worker) -> tuple[int, str]:
 
 
 def _columns(
-    ctx: _Ctx, roles: list[Role], active: list[Worker], asleep: list[Worker], num_rows: int
+    ctx: PlanContext, roles: list[Role], active: list[Worker], asleep: list[Worker], num_rows: int
 ) -> list[tuple[Worker | None, list[float], list[float]]]:
     """Candidate columns with their per-role change count and seconds (net of the cost of
     the worker's fate when it stays unmatched)."""
@@ -265,18 +220,19 @@ def _columns(
              [-ctx.release_s(w) if r is w.role else switch_s for r in roles])
         )  # fmt: skip
     for w in asleep:
-        wake_s = c.wake_s + (c.weight_sync_s if _stale(ctx, w) else 0.0)
+        wake_s = c.wake_s + (c.weight_sync_s if is_stale(ctx, w) else 0.0)
         cols.append((w, [1.0] * len(roles), [wake_s] * len(roles)))
     cols += [(None, [1.0] * len(roles), [c.engine_cold_start_s] * len(roles))] * num_rows
     return cols
 
 
-def _stale(ctx: _Ctx, w: Worker) -> bool:
-    return w.weights_version < ctx.state.policy_version
-
-
 def _take(
-    ctx: _Ctx, d: _Decisions, cls: _Class, role: Role, w: Worker | None, matched: set[str]
+    ctx: PlanContext,
+    d: WorkerDecisions,
+    cls: _Class,
+    role: Role,
+    w: Worker | None,
+    matched: set[str],
 ) -> None:
     if w is None:
         d.new.append(InstanceSpec(role, cls[0], cls[1]))
@@ -290,7 +246,7 @@ def _take(
         d.switch[w.worker_id] = role
 
 
-def _place(ctx: _Ctx, d: _Decisions) -> Placement:
+def _place(ctx: PlanContext, d: WorkerDecisions) -> Placement:
     """Place the new instances; stop sleepers or asleep engines whose GPUs are needed."""
     if not d.new:
         return Placement()
@@ -316,159 +272,3 @@ def _place(ctx: _Ctx, d: _Decisions) -> Placement:
     for spec in placement.unplaced:
         ctx.problems.append(f"no room for a new {spec.label()}: no node with {spec.tp} free GPUs")
     return placement
-
-
-class _Steps:
-    """Appends steps in topological order; each starts when its last dependency ends."""
-
-    def __init__(self) -> None:
-        self.steps: list[PlanStep] = []
-
-    def add(
-        self,
-        action: Action,
-        w: Worker,
-        role: Role | None,
-        deps: Iterable[int],
-        duration_s: float,
-        reason: str,
-    ) -> int:
-        ordered = tuple(sorted(set(deps)))
-        start_s = max((self.steps[i].end_s for i in ordered), default=0.0)
-        step_id = len(self.steps)
-        self.steps.append(
-            PlanStep(step_id, action, w.worker_id, w.node, w.gpu_ids, role, ordered, duration_s,
-                     start_s, reason)
-        )  # fmt: skip
-        return step_id
-
-
-def _build_steps(ctx: _Ctx, d: _Decisions, placement: Placement) -> list[PlanStep]:
-    """Offloads, drains, releases and switches, onloads, wakes (and syncs), starts."""
-    c, workers, s = ctx.costs, ctx.state.worker_by_id, _Steps()
-    offload_at: dict[str, int] = {}
-    for w in sorted(d.offload, key=_wid):
-        i = s.add(Action.OFFLOAD, w, Role.IDLE, (), c.trainer_offload_s, "lend its GPUs to rollout")
-        offload_at.update(dict.fromkeys(w.gpu_ids, i))
-    freed_at: dict[str, list[int]] = defaultdict(list)  # GPU -> steps that take engines off it
-    released_at: dict[str, int] = {}
-    for wid in sorted({*d.release, *d.switch}):
-        w, role = workers[wid], d.switch.get(wid)
-        if role is not None:
-            action, why = Action.SWITCH, f"reuse as {role.value}"
-            duration_s = c.role_switch_s
-        else:
-            action, why = d.release[wid]
-            role = Role.IDLE if action is Action.SLEEP else None
-            duration_s = c.sleep_s if action is Action.SLEEP else c.stop_s
-        deadline_s = _deadline_s(ctx, w)
-        i = s.add(action, w, role, _leave(ctx, s, w, duration_s, deadline_s), duration_s, why)
-        if deadline_s is not None and ctx.now_s + s.steps[i].end_s > deadline_s + 1e-9:
-            ctx.problems.append(f"{wid} leaves its GPUs after their deadline {deadline_s:.1f} s")
-        if action is not Action.SWITCH:
-            released_at[wid] = i
-            for g in w.gpu_ids:
-                freed_at[g].append(i)
-    for w in sorted(d.onload, key=_wid):
-        deps = [i for g in w.gpu_ids for i in freed_at.get(g, ())]
-        s.add(Action.ONLOAD, w, Role.TRAIN, deps, c.trainer_onload_s, "its GPUs return")
-    for wid in sorted(d.wake):
-        w, role = workers[wid], d.wake[wid]
-        deps = [offload_at[g] for g in w.gpu_ids if g in offload_at]
-        i = s.add(Action.WAKE, w, role, deps, c.wake_s, f"reuse asleep engine as {role.value}")
-        if _stale(ctx, w):
-            why = f"weights v{w.weights_version} < policy v{ctx.state.policy_version}"
-            s.add(Action.SYNC_WEIGHTS, w, None, (i,), c.weight_sync_s, why)
-    _add_starts(ctx, s, placement, offload_at, released_at)
-    return s.steps
-
-
-def _add_starts(
-    ctx: _Ctx,
-    s: _Steps,
-    placement: Placement,
-    offload_at: dict[str, int],
-    released_at: dict[str, int],
-) -> None:
-    taken = set(ctx.state.worker_by_id)
-    for p in placement.placed:
-        wid = _new_worker_id(p.node, p.gpu_ids[0], taken)
-        w = Worker(worker_id=wid, kind=WorkerKind.ENGINE, node=p.node, gpu_ids=p.gpu_ids,
-                   role=p.spec.role, phase=Phase.STARTING)  # fmt: skip
-        deps = [offload_at[g] for g in p.gpu_ids if g in offload_at]
-        deps += [released_at[v] for v in p.after_workers]
-        s.add(
-            Action.START,
-            w,
-            p.spec.role,
-            deps,
-            ctx.costs.engine_cold_start_s,
-            f"new {p.spec.label()}",
-        )
-
-
-def _new_worker_id(node: str, first_gpu_id: str, taken: set[str]) -> str:
-    """``e-NODE-INDEX`` (INDEX: the part of the GPU id after its last '/'), then ``-2``, ..."""
-    base = f"e-{node}-{first_gpu_id.rsplit('/', 1)[-1]}"
-    wid, n = base, 2
-    while wid in taken:
-        wid, n = f"{base}-{n}", n + 1
-    taken.add(wid)
-    return wid
-
-
-def _leave(
-    ctx: _Ctx, s: _Steps, w: Worker, then_s: float, deadline_s: float | None
-) -> tuple[int, ...]:
-    """Drain (or migrate, when draining would miss the deadline) an engine with requests."""
-    if not (w.active and w.phase in (Phase.READY, Phase.DRAINING)):
-        return ()
-    drain_s = ctx.drain_estimate_s
-    if deadline_s is None or ctx.now_s + drain_s + then_s <= deadline_s:
-        return (s.add(Action.DRAIN, w, None, (), drain_s, "let in-flight turns finish"),)
-    why = f"vacate by {deadline_s:.1f} s: hand in-flight requests to other instances"
-    return (s.add(Action.MIGRATE, w, None, (), ctx.costs.migrate_s, why),)
-
-
-def _deadline_s(ctx: _Ctx, w: Worker) -> float | None:
-    """When the worker's GPUs must be vacated, if they must."""
-    state, deadlines = ctx.state, []
-    borrowed = set(state.borrow.gpu_ids) if state.borrow is not None else set()
-    for gid in w.gpu_ids:
-        gpu = state.gpu_by_id[gid]
-        if gid in borrowed and gid not in ctx.lent and state.borrow is not None:
-            deadlines.append(state.borrow.return_by_s)
-        alloc = state.allocation_by_id[gpu.allocation_id]
-        if gpu.source is not GpuSource.BASE_TRAIN and alloc.status in _LEAVING:
-            deadlines.append(alloc.end_by_s if alloc.end_by_s is not None else ctx.now_s)
-    return min(deadlines, default=None)
-
-
-_LEAVING = (AllocationStatus.PREEMPTING, AllocationStatus.ENDED)
-_CHANGES = frozenset(
-    {Action.START, Action.STOP, Action.SLEEP, Action.WAKE, Action.SWITCH, Action.OFFLOAD,
-     Action.ONLOAD}
-)  # fmt: skip
-
-
-def _wid(w: Worker) -> str:
-    return w.worker_id
-
-
-def _summarize(ctx: _Ctx, d: _Decisions, steps: list[PlanStep]) -> TransitionPlan:
-    changes = Counter(s.action for s in steps if s.action in _CHANGES)
-    goal = ctx.target.config.label() + (f", {len(ctx.lent)} GPUs lent" if ctx.lent else "")
-    if not steps:
-        reason = f"already at {goal}"
-    else:
-        done = ", ".join(f"{a.value} {n}" for a, n in sorted(changes.items()))
-        reason = f"reach {goal}: keep {len(d.kept)}, {done}"
-    return TransitionPlan(
-        target=ctx.target,
-        steps=tuple(steps),
-        num_role_changes=len({s.worker_id for s in steps if s.action in _CHANGES}),
-        makespan_s=max((s.end_s for s in steps), default=0.0),
-        gpu_busy_s=sum(s.duration_s * len(s.gpu_ids) for s in steps),
-        reason=reason,
-        problems=tuple(ctx.problems),
-    )
