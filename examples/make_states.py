@@ -27,19 +27,20 @@ from pearl.synth import Layout, build_state, build_workload
 OUT = Path(__file__).resolve().parent / "states"
 
 
-def _write(name: str, doc: PlanInput) -> None:
+def _write(out: Path, name: str, doc: PlanInput) -> None:
     data: dict[str, Any] = json.loads(doc.model_dump_json())
     data = {"profile": doc.profile, "now_s": doc.now_s, **data}
-    (OUT / f"{name}.json").write_text(json.dumps(data, indent=1) + "\n")
+    (out / f"{name}.json").write_text(json.dumps(data, indent=1) + "\n")
 
 
-def main() -> None:
+def main(out: Path = OUT) -> None:
     rng = np.random.default_rng(7)
-    OUT.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     small = build_state(Layout(1, 2, 0), time_s=100.0)
     busy = TrainerStatus(phase=TrainerPhase.TRAINING)
     waiting = TrainerStatus(phase=TrainerPhase.WAITING)
     _write(
+        out,
         "small-homogeneous",
         PlanInput(
             profile="qwen3-8b",
@@ -49,6 +50,7 @@ def main() -> None:
         ),
     )
     _write(
+        out,
         "waiting-trainer",
         PlanInput(
             profile="qwen3-8b",
@@ -68,6 +70,7 @@ def main() -> None:
         nodes=(GrantedNode(node="gpu-e01", gpu_type="h100", num_gpus=8),),
     )
     _write(
+        out,
         "elastic-grant",
         PlanInput(
             profile="qwen3-8b",
@@ -83,6 +86,7 @@ def main() -> None:
     with_elastic = build_state(Layout(1, 2, 1), time_s=200.0)
     preempt = AllocationPreempting(allocation_id="el0000", deadline_s=260.0)
     _write(
+        out,
         "elastic-preempted",
         PlanInput(
             profile="qwen3-8b",
@@ -97,6 +101,7 @@ def main() -> None:
         Layout(1, 2, 2, gpu_type="h800", elastic_gpu_type="h20", rollout_tp=2), time_s=50.0
     )
     _write(
+        out,
         "heterogeneous",
         PlanInput(
             profile="qwen3-30b-a3b",
@@ -107,6 +112,7 @@ def main() -> None:
     )
     large = build_state(Layout(16, 32, 16, rollout_tp=2, rollout_role=Role.COLOCATED), time_s=10.0)
     _write(
+        out,
         "large",
         PlanInput(
             profile="qwen3-8b",
