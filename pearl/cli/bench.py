@@ -6,6 +6,7 @@ import argparse
 import json
 
 from pearl.bench.decide import bench_decide
+from pearl.io.documents import InputError
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -21,8 +22,6 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def _run_decide(args: argparse.Namespace) -> int:
     if args.gpus < 24 or args.repeats < 1:
-        from pearl.io.documents import InputError
-
         raise InputError("<command line>", "--gpus/--repeats", "need --gpus >= 24, --repeats >= 1")
     result = bench_decide(args.gpus, args.repeats, args.profile)
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))

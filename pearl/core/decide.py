@@ -58,7 +58,7 @@ def decide_pearl(
     borrow = lookup(BORROW_RULES, cfg.borrowing.rule, "borrowing.rule")(ctx)
     ctx.state = _with_borrow(ctx.state, borrow, now_s)
     lent = frozenset(borrow.gpu_ids if borrow.kind in (BorrowKind.LEND, BorrowKind.KEEP) else ())
-    pool = ctx.rollout_gpus(lent, elastic.unused)
+    pool = ctx.rollout_gpus(lent, elastic.releases)
     current_config = ctx.current_config
     current = ctx.current_prediction
     selection = ctx.select(pool, lending=bool(lent - ctx.lent_gpu_ids()))
@@ -147,7 +147,7 @@ def _pool_changed(
     return any(
         a.kind is AllocationKind.ELASTIC
         and a.status is AllocationStatus.GRANTED
-        and a.allocation_id not in elastic.unused
+        and a.allocation_id not in elastic.releases
         and a.allocation_id not in hosting
         for a in state.allocations
     )

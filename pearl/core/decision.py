@@ -44,8 +44,7 @@ class ElasticRequest:
 @dataclass(frozen=True)
 class ElasticAction:
     requests: tuple[ElasticRequest, ...] = ()
-    releases: tuple[str, ...] = ()  # allocation ids to give back
-    unused: tuple[str, ...] = ()  # granted allocations left out of the rollout pool
+    releases: tuple[str, ...] = ()  # allocations to give back; left out of the rollout pool
     gain_s_per_gpu: float = 0.0  # predicted time saved per requested GPU
     reason: str = ""
 

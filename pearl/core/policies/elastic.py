@@ -44,19 +44,18 @@ def marginal_gain_rule(ctx: DecisionContext) -> ElasticAction:
     room = cfg.max_allocations - len(live)
     if room <= 0 or ctx.obs.workload.num_unfinished == 0 or cfg.gpu_type not in ctx.profile.gpus:
         why = "at the allocation cap" if room <= 0 else "nothing to gain"
-        return ElasticAction(releases=unused, unused=unused, reason=why)
+        return ElasticAction(releases=unused, reason=why)
     lent = ctx.lent_gpu_ids() | set(ctx.state.borrow.gpu_ids if ctx.state.borrow else ())
     pool = ctx.rollout_gpus(lent, unused)
     now = ctx.select(pool).best.effective_s
     extra_nodes = [(cfg.gpu_type, cfg.gpus_per_allocation)] * room
     more = ctx.select(pool, extra_nodes=extra_nodes).best.effective_s
     if now == float("inf") or more == float("inf"):
-        return ElasticAction(releases=unused, unused=unused, reason="no feasible prediction")
+        return ElasticAction(releases=unused, reason="no feasible prediction")
     gain_per_gpu_s = (now - more) / (room * cfg.gpus_per_allocation)
     if gain_per_gpu_s <= cfg.min_gain_s_per_gpu:
         return ElasticAction(
             releases=unused,
-            unused=unused,
             gain_s_per_gpu=gain_per_gpu_s,
             reason=f"{gain_per_gpu_s:.2f} s per GPU is not worth a request",
         )
@@ -66,7 +65,6 @@ def marginal_gain_rule(ctx: DecisionContext) -> ElasticAction:
     return ElasticAction(
         requests=(request,) * room,
         releases=unused,
-        unused=unused,
         gain_s_per_gpu=gain_per_gpu_s,
         reason=f"request {room} x {cfg.gpus_per_allocation} {cfg.gpu_type}: "
         f"{gain_per_gpu_s:.2f} s saved per GPU",
@@ -92,7 +90,7 @@ def never_rule(ctx: DecisionContext) -> ElasticAction:
         for a in ctx.state.allocations
         if a.kind is AllocationKind.ELASTIC and a.status is AllocationStatus.GRANTED
     )
-    return ElasticAction(releases=granted, unused=granted, reason="elastic GPUs disabled")
+    return ElasticAction(releases=granted, reason="elastic GPUs disabled")
 
 
 ELASTIC_RULES: dict[str, ElasticRule] = {"marginal-gain": marginal_gain_rule, "never": never_rule}
