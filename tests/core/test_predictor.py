@@ -8,9 +8,9 @@ import math
 
 import numpy as np
 import pytest
-from conftest import make_profile
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from testing_profiles import make_profile
 
 from pearl.core.engine_groups import TurnShape, engine_groups
 from pearl.core.pd import InstanceSpec, PDConfig

@@ -7,17 +7,14 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from testing_profiles import make_profile
 
 from pearl.core.profile import (
     DecodeCoeffs,
     DecodeRegime,
     EngineProfile,
-    GpuProfile,
-    ModelSpec,
     PrefillCoeffs,
     RuntimeProfile,
-    TransitionCosts,
-    WorkloadDefaults,
 )
 from pearl.core.roles import Role
 from pearl.sim.engine import EngineModel, Request, StepResult, kv_transfer_s
@@ -43,35 +40,10 @@ def engine_profile(max_batched_tokens: int = 8192, max_num_seqs: int = 256) -> E
 
 
 def runtime_profile() -> RuntimeProfile:
-    gpu = GpuProfile(
-        memory_gb=80.0,
-        kv_transfer_gb_per_s=25.0,
-        kv_transfer_intra_node_gb_per_s=300.0,
-        engines=(engine_profile(),),
-    )
-    return RuntimeProfile(
-        model=ModelSpec(name="t-8b", num_layers=36, num_kv_heads=8, head_dim=128, weights_gb=16),
-        gpus={"h100": gpu},
-        costs=TransitionCosts(
-            engine_cold_start_s=60,
-            wake_s=5,
-            sleep_s=3,
-            role_switch_s=2,
-            migrate_s=1,
-            stop_s=5,
-            weight_sync_s=10,
-            trainer_offload_s=20,
-            trainer_onload_s=20,
-            train_step_s=120,
-        ),
-        workload=WorkloadDefaults(
-            prompt_tokens=1024,
-            output_tokens_per_turn=256,
-            observation_tokens_per_turn=256,
-            env_latency_s=2,
-            turns_per_trajectory=4,
-        ),
-    )
+    """The shared test profile; its h100 tp 1 engine has ``engine_profile()``'s coefficients."""
+    profile = make_profile(kv_capacity_tokens=CAPACITY_TOKENS)
+    assert profile.engine("h100", 1) == engine_profile()
+    return profile
 
 
 def make_engine(

@@ -1,4 +1,5 @@
-"""Shared test helpers of the core tests."""
+"""Test-only runtime profiles shared by the core and simulator tests (importable as
+``testing_profiles``: pytest puts tests/ on the path, see pyproject.toml)."""
 
 from __future__ import annotations
 
