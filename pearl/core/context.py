@@ -1,8 +1,9 @@
 """The inputs of one decision, with the derived views the policies share.
 
-Selections are memoised per budget within one decision, so the borrowing and elastic
-policies and the switching rule can ask "what is the best configuration with these
-GPUs?" without repeating the work.
+The workload is prepared for the predictor once; predictions are memoised per
+configuration and selections per (budget, lending), so the elastic and borrowing rules
+and the final selection can ask "what is the best configuration with these GPUs?"
+without repeating the work.
 """
 
 from __future__ import annotations

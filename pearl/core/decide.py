@@ -63,7 +63,7 @@ def decide_pearl(
     current = ctx.current_prediction
     selection = ctx.select(pool, lending=bool(lent - ctx.lent_gpu_ids()))
     target = Target(selection.best.config, lent)
-    mandatory = _pool_changed(ctx.state, pool, lent, elastic)
+    mandatory = _pool_changed(ctx.state, pool, lent != ctx.lent_gpu_ids(), elastic)
     if mandatory or target.config != current_config:
         plan = plan_transition(ctx.state, target, profile, now_s, ctx.drain_estimate_s)
     else:  # what the planner would return, without its cost on every tick
@@ -132,7 +132,7 @@ def _with_borrow(state: ClusterState, borrow: BorrowAction, now_s: float) -> Clu
 
 
 def _pool_changed(
-    state: ClusterState, pool: list[Gpu], lent: frozenset[str], elastic: ElasticAction
+    state: ClusterState, pool: list[Gpu], lending_changes: bool, elastic: ElasticAction
 ) -> bool:
     """The running configuration must change: engines outside the pool, a lend or a
     return to carry out, or a usable grant that hosts no worker yet."""
@@ -140,7 +140,7 @@ def _pool_changed(
     for w in state.workers:
         if w.kind is WorkerKind.ENGINE and w.active and not in_pool.issuperset(w.gpu_ids):
             return True
-    if lent != {g.gpu_id for g in state.gpus if g.lent}:
+    if lending_changes:
         return True
     hosted = {gid for w in state.workers if w.live for gid in w.gpu_ids}
     hosting = {g.allocation_id for g in pool if g.gpu_id in hosted}
