@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from pearl.cli import bench, plan
+from pearl.cli import bench, plan, simulate
 from pearl.io.documents import InputError
 
 
@@ -19,6 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     plan.add_parser(sub)
     bench.add_parser(sub)
+    simulate.add_parser(sub)
     return parser
 
 

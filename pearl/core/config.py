@@ -6,7 +6,7 @@ Validation errors name the field; the shell adds the file name.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field
 
@@ -23,6 +23,9 @@ class SelectionConfig(Frozen):
         "candidates; above it, search the split per TP pair (see docs/architecture.md).",
     )
     top_k: Annotated[int, Field(ge=1)] = Field(8, description="Candidates kept for the logs.")
+    modes: Literal["any", "colocated", "disaggregated"] = Field(
+        "any", description="PD modes the selection may choose (baselines fix one)."
+    )
 
 
 class SwitchingConfig(Frozen):
@@ -39,7 +42,9 @@ class SwitchingConfig(Frozen):
 
 
 class BorrowingConfig(Frozen):
-    rule: str = Field("predictive", description="Borrowing rule by name: predictive, never.")
+    rule: str = Field(
+        "predictive", description="Borrowing rule by name: predictive, always, never."
+    )
     max_return_delay_s: Annotated[float, Field(gt=0.0)] = Field(
         30.0, description="Longest the trainer may wait for its lent GPUs once it needs them."
     )
@@ -49,10 +54,15 @@ class BorrowingConfig(Frozen):
     return_margin_s: NonNeg = Field(
         5.0, description="Start returning this long before the return must be complete."
     )
+    lend_fraction: Fraction = Field(
+        1.0, description="Rule always: share of the trainer's nodes to lend (rounded up)."
+    )
 
 
 class ElasticConfig(Frozen):
-    rule: str = Field("marginal-gain", description="Elastic rule by name: marginal-gain, never.")
+    rule: str = Field(
+        "marginal-gain", description="Elastic rule by name: marginal-gain, greedy, never."
+    )
     partition: str = Field("elastic", description="Slurm partition (or QOS) of elastic jobs.")
     gpu_type: str = Field("h100", description="GPU type to request.")
     gpus_per_allocation: Annotated[int, Field(ge=1)] = Field(8, description="GPUs per request.")

@@ -10,6 +10,9 @@ Candidates:
   instances take every GPU left. With heterogeneous GPUs this places prefill and decode
   where the profile says each runs best; with one type it is the plain P:D split.
 
+``SelectionConfig.modes`` keeps only one of the two families (a baseline that never
+disaggregates, or one held to a disaggregated split).
+
 When the candidates number at most ``exhaustive_limit`` every one is predicted, in one
 batch. Above it, each TP pair is first probed on a geometric grid of splits, the best
 pairs are kept and their bracket (the neighbours of the best grid point) is refined by
@@ -113,9 +116,13 @@ def select_pd(
     layouts = [
         _SplitLayout(budget, profile, tp_p, tp_d) for tp_p, tp_d in _tp_pairs(budget, profile)
     ]
-    layouts = [lay for lay in layouts if lay.max_prefill >= 1]
-    colocated = _colocated_configs(budget, profile)
-    fitting_extra = [c for c in extra if c.instances and fits_budget(c, budget)]
+    layouts = [lay for lay in layouts if lay.max_prefill >= 1 and cfg.modes != "colocated"]
+    colocated = _colocated_configs(budget, profile) if cfg.modes != "disaggregated" else []
+    fitting_extra = [
+        c
+        for c in extra
+        if c.instances and fits_budget(c, budget) and cfg.modes in ("any", c.mode.value)
+    ]
     num_candidates = len(colocated) + sum(lay.max_prefill for lay in layouts)
     exhaustive = num_candidates <= cfg.exhaustive_limit
     if exhaustive:

@@ -22,9 +22,11 @@ from pearl.logschema import RECORD_TYPES, SCHEMA_VERSION, Record, decode, encode
 
 
 class RunLogWriter:
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, truncate: bool = False) -> None:
+        """Append to ``path`` (a restarted coordinator continues its log), or start it
+        afresh with ``truncate`` (a simulated run is written whole)."""
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._file: IO[str] = path.open("a", encoding="utf-8")
+        self._file: IO[str] = path.open("w" if truncate else "a", encoding="utf-8")
 
     def write(self, record: Record) -> None:
         self._file.write(json.dumps(encode(record), separators=(",", ":")) + "\n")

@@ -12,11 +12,16 @@
   wherever draining would miss it. The trainer's wait is thereby bounded by
   ``max_return_delay_s`` whenever migration fits in it.
 
+``always`` (ROLL's partial-GPU mode, for the baseline): lend ``lend_fraction`` of the
+trainer's nodes whenever it waits, force the return the moment the batch is ready.
+``never``: lend nothing (return anything lent).
+
 Invariant: a forced return's deadline is never later than the open window's.
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable, Sequence
 
@@ -112,6 +117,39 @@ def _same_kind(pool: Sequence[Gpu], lent: Sequence[Gpu]) -> bool:
     return len(types) == 1 and max(Counter(g.node for g in lent).values()) <= largest_node
 
 
+def always_rule(ctx: DecisionContext) -> BorrowAction:
+    """ROLL's partial-GPU mode, no cost model: lend (a share of) the trainer's nodes as
+    soon as its update is done and take them back, migrating in-flight requests, the
+    moment the next batch is ready."""
+    window = ctx.state.borrow
+    trainer = ctx.obs.trainer
+    if window is not None:
+        if trainer.needs_gpus or trainer.phase is TrainerPhase.TRAINING:
+            return BorrowAction(
+                BorrowKind.FORCE_RETURN, window.gpu_ids, ctx.now_s, reason="the batch is ready"
+            )
+        if window.returning:
+            return BorrowAction(
+                BorrowKind.RETURN, window.gpu_ids, window.return_by_s, reason="return under way"
+            )
+        return BorrowAction(
+            BorrowKind.KEEP, window.gpu_ids, window.return_by_s, reason="until the batch is ready"
+        )
+    if trainer.phase is not TrainerPhase.WAITING or trainer.needs_gpus:
+        return BorrowAction(BorrowKind.NONE, reason="the trainer is using its GPUs")
+    if ctx.obs.workload.num_unfinished == 0:
+        return BorrowAction(BorrowKind.NONE, reason="no rollout work left")
+    gpus = [ctx.state.gpu_by_id[g] for g in ctx.trainer_gpu_ids()]
+    nodes = sorted({g.node for g in gpus})
+    share = math.ceil(ctx.cfg.borrowing.lend_fraction * len(nodes))
+    lent = tuple(g.gpu_id for g in gpus if g.node in nodes[:share])
+    if not lent:
+        return BorrowAction(BorrowKind.NONE, reason="lend fraction rounds to no node")
+    return BorrowAction(
+        BorrowKind.LEND, lent, math.inf, reason=f"the trainer waits: lend {share} nodes"
+    )
+
+
 def never_rule(ctx: DecisionContext) -> BorrowAction:
     window = ctx.state.borrow
     if window is None:
@@ -119,4 +157,8 @@ def never_rule(ctx: DecisionContext) -> BorrowAction:
     return BorrowAction(BorrowKind.RETURN, window.gpu_ids, ctx.now_s, reason="borrowing disabled")
 
 
-BORROW_RULES: dict[str, BorrowRule] = {"predictive": predictive_rule, "never": never_rule}
+BORROW_RULES: dict[str, BorrowRule] = {
+    "predictive": predictive_rule,
+    "always": always_rule,
+    "never": never_rule,
+}

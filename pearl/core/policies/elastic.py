@@ -84,6 +84,22 @@ def _too_short(ctx: DecisionContext, a: Allocation) -> bool:
     return end_s - ctx.now_s < cfg.min_window_factor * ctx.profile.costs.engine_cold_start_s
 
 
+def greedy_rule(ctx: DecisionContext) -> ElasticAction:
+    """RLBoost's use of preemptible GPUs: hold as many as allowed whenever there is work,
+    with no cost model; release nothing (the owner reclaims them)."""
+    cfg = ctx.cfg.elastic
+    live = [
+        a for a in ctx.state.allocations if a.kind is AllocationKind.ELASTIC and a.status in _LIVE
+    ]
+    room = cfg.max_allocations - len(live)
+    if room <= 0 or ctx.obs.workload.num_unfinished == 0:
+        return ElasticAction(reason="at the allocation cap" if room <= 0 else "no work")
+    request = ElasticRequest(
+        cfg.gpus_per_allocation, cfg.gpu_type, cfg.partition, cfg.time_limit_min
+    )
+    return ElasticAction(requests=(request,) * room, reason=f"request {room} more")
+
+
 def never_rule(ctx: DecisionContext) -> ElasticAction:
     granted = tuple(
         a.allocation_id
@@ -93,4 +109,8 @@ def never_rule(ctx: DecisionContext) -> ElasticAction:
     return ElasticAction(releases=granted, reason="elastic GPUs disabled")
 
 
-ELASTIC_RULES: dict[str, ElasticRule] = {"marginal-gain": marginal_gain_rule, "never": never_rule}
+ELASTIC_RULES: dict[str, ElasticRule] = {
+    "marginal-gain": marginal_gain_rule,
+    "greedy": greedy_rule,
+    "never": never_rule,
+}

@@ -1,0 +1,145 @@
+"""``pearl simulate SCENARIO``: every policy on a scenario, a table, logs and a summary.
+
+Each (policy, seed) run writes its JSONL log to ``OUT/POLICY/seedN.jsonl`` (schema in
+``docs/log-schema.md``); ``OUT/summary.json`` holds the comparison and every run's
+metrics. With ``--json`` stdout carries one JSON object (the comparison) and nothing
+else; the progress bar goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from pearl.io.documents import InputError
+from pearl.io.runlog import RunLogWriter
+from pearl.io.scenarios import load_scenario_and_profile
+from pearl.io.simulation import run_inputs
+from pearl.sim.metrics import RunMetrics
+from pearl.sim.oracle import OracleBound, oracle_bound
+from pearl.sim.policies import REPORTED, make_policy
+from pearl.sim.report import compare, runs_needed, table
+from pearl.sim.rollout import trajectory_stream
+from pearl.sim.runner import simulate, trajectory_rng
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("simulate", help="compare pearl with the baselines on a scenario")
+    p.add_argument("scenario", help="scenario file (benchmarks/scenarios/*.yaml)")
+    p.add_argument(
+        "--policies", default=",".join(REPORTED), help=f"comma-separated, from {','.join(REPORTED)}"
+    )
+    p.add_argument("--seeds", type=int, default=None, help="runs per policy (scenario default)")
+    p.add_argument("--out", type=Path, default=None, help="output folder (runs/SCENARIO)")
+    p.add_argument("--duration-s", type=float, default=None, help="override the simulated time")
+    p.add_argument("--json", action="store_true", help="print only the JSON comparison")
+    p.set_defaults(run=run)
+
+
+class Progress:
+    """A one-line progress bar on stderr."""
+
+    def __init__(self, total_runs: int) -> None:
+        self.total, self.done, self.started = total_runs, 0, time.monotonic()
+        self.drawn_s = -1.0
+
+    def show(self, label: str, fraction: float) -> None:
+        now_s = time.monotonic()
+        if now_s - self.drawn_s < 0.25 and fraction < 1.0:
+            return
+        self.drawn_s = now_s
+        overall = (self.done + fraction) / self.total
+        bar = "#" * int(30 * overall)
+        elapsed_s = now_s - self.started
+        sys.stderr.write(f"\r[{bar:<30}] {100 * overall:5.1f}%  {label:<32} {elapsed_s:6.0f} s")
+        sys.stderr.flush()
+
+    def finish_run(self) -> None:
+        self.done += 1
+        if self.done == self.total:
+            sys.stderr.write("\n")
+
+
+def run(args: argparse.Namespace) -> int:
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    unknown = [p for p in policies if p not in REPORTED]
+    if unknown or not policies:
+        raise InputError("<command line>", "--policies", f"unknown {unknown}; known: {REPORTED}")
+    scenario, profile = load_scenario_and_profile(args.scenario)
+    if args.duration_s is not None:
+        if args.duration_s <= 0:
+            raise InputError("<command line>", "--duration-s", "must be > 0")
+        scenario = scenario.model_copy(update={"duration_s": args.duration_s})
+    seeds = args.seeds if args.seeds is not None else scenario.seeds
+    if seeds < 1:
+        raise InputError("<command line>", "--seeds", "must be >= 1")
+    out = args.out or Path("runs") / scenario.name
+    names = runs_needed(policies)
+    progress = Progress(len(names) * seeds)
+    runs: dict[str, list[RunMetrics]] = {n: [] for n in names}
+    oracle: list[OracleBound] = []
+    for seed in range(seeds):
+        inputs = run_inputs(scenario, profile, seed)
+        stream = trajectory_stream(
+            inputs.trajectory_model, trajectory_rng(seed), scenario.rollout.max_context_tokens
+        )
+        oracle.append(oracle_bound(scenario, profile, inputs.windows, stream))
+        for name in names:
+            policy = make_policy(name, scenario.policy, scenario.cluster.trainer.nodes)
+            label = f"{name} seed {seed}"
+            with RunLogWriter(out / name / f"seed{seed}.jsonl", truncate=True) as log:
+                metrics = simulate(
+                    inputs, policy, log.write, lambda f, lb=label: progress.show(lb, f)
+                )
+            runs[name].append(metrics)
+            progress.finish_run()
+    result = {
+        "scenario": scenario.name,
+        "policies": compare(policies, runs, oracle, scenario.duration_s),
+    }
+    summary: dict[str, Any] = {
+        **result,
+        "duration_s": scenario.duration_s,
+        "seeds": seeds,
+        "runs": {n: [_run_entry(m) for m in ms] for n, ms in runs.items()},
+        "oracle": [o.__dict__ for o in oracle],
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(_finite(summary), indent=2, allow_nan=False)
+    (out / "summary.json").write_text(text + "\n", encoding="utf-8")
+    if args.json:
+        print(json.dumps(_finite(result), allow_nan=False))
+    else:
+        hours = scenario.duration_s / 3600
+        print(f"{scenario.name}: {hours:.2f} h simulated, {seeds} seeds, mean over seeds")
+        print(table(result["policies"]))
+        print(f"logs and summary.json in {out}")
+    return 0
+
+
+def _run_entry(m: RunMetrics) -> dict[str, Any]:
+    entry = m.summary()
+    entry.update(
+        seed=m.seed,
+        trajectories=m.trajectories,
+        unfinished=m.unfinished,
+        decisions=m.decisions,
+        events=m.events,
+    )
+    return entry
+
+
+def _finite(value: Any) -> Any:
+    """JSON has no NaN: a figure with no data (no batch completed) is null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value

@@ -1,0 +1,585 @@
+"""One simulated run: the event loop that drives ``pearl.core.decide()`` on a virtual clock.
+
+The same decision code as the coordinator's runs here; the simulator plays everything
+around it: the engines (``fleet``), the trajectories (``rollout``), Slurm (``slurm``),
+the trainer, and the execution of transition plans step by step (``execution``).
+
+Loop (each event returns its follow-ups; ties break by priority, then schedule order):
+
+- an engine step ends: finished turns go to their tool call (or finish the trajectory),
+  prefill handoffs travel to a decode instance, the instance starts its next step;
+- a turn arrives at its instance after its tool call or KV transfer;
+- Slurm grants, warns (preempting) or reclaims an elastic allocation; a reclaimed node's
+  engines are killed and their requests continue elsewhere with their partial outputs;
+- the trainer starts an update when its next batch is complete and it holds all its
+  GPUs, and after it the new weights are synced to every instance (each pauses
+  ``weight_sync_s``) and the next batch may start (staleness bound k);
+- a decision: the policy's ``decide()`` on the observed state. Decisions are taken at
+  the start, every ``decision_interval_s``, and at once on any allocation event and any
+  change of the trainer's phase; while a plan runs they wait for its end (one plan at a
+  time, as the coordinator executes them).
+
+Determinism: one seeded generator per concern (trajectories, Slurm), handed in through
+``RunInputs``; no wall clock. Same inputs, same run, bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from pearl.core.decide import decide
+from pearl.core.decision import Decision
+from pearl.core.observation import (
+    AllocationEnded,
+    AllocationGranted,
+    AllocationPending,
+    AllocationPreempting,
+    Event,
+    GrantedNode,
+    Observation,
+    TrainerPhase,
+    TrainerStatus,
+)
+from pearl.core.profile import RuntimeProfile
+from pearl.core.roles import GpuSource
+from pearl.core.state import ClusterState
+from pearl.core.workload import TrajPhase
+from pearl.logschema import (
+    AllocationChanged,
+    BatchCompleted,
+    DecisionMade,
+    Record,
+    RunEnded,
+    RunStarted,
+    TrainStep,
+    TrajectoryFinished,
+)
+from pearl.sim.availability import Window
+from pearl.sim.cluster import initial_state, synced
+from pearl.sim.engine import KvHandoff, PartialOutput, Request, kv_transfer_s
+from pearl.sim.events import EventLoop
+from pearl.sim.execution import PlanExecution
+from pearl.sim.fleet import Fleet, Instance, handoff_request
+from pearl.sim.metrics import GpuClock, RunMetrics
+from pearl.sim.policies import SimPolicy
+from pearl.sim.rollout import Rollout, Trajectory
+from pearl.sim.scenario import Scenario
+from pearl.sim.slurm import SlurmEvent, SlurmModel
+from pearl.sim.timeline import P_ARRIVE, P_DECIDE, P_SLURM, P_STEP, P_TRAIN, Follow
+from pearl.sim.trajectories import TrajectoryModel, mean_turns, means
+
+Sink = Callable[[Record], None]
+
+
+@dataclass(frozen=True)
+class RunInputs:
+    scenario: Scenario
+    profile: RuntimeProfile
+    trajectory_model: TrajectoryModel
+    windows: tuple[Window, ...]  # elastic availability in run time (already clipped)
+    seed: int
+    decision_interval_s: float = 60.0
+
+
+def trajectory_rng(seed: int) -> np.random.Generator:
+    """The generator of a run's trajectory stream (the oracle draws the same stream)."""
+    return np.random.default_rng(np.random.SeedSequence(seed).spawn(2)[0])
+
+
+class Simulation:
+    def __init__(self, inputs: RunInputs, policy: SimPolicy, sink: Sink | None = None) -> None:
+        sc = inputs.scenario
+        self.inputs, self.policy, self.profile = inputs, policy, inputs.profile
+        self.sink = sink
+        self.duration_s = sc.duration_s
+        self.rollout = Rollout(
+            inputs.trajectory_model,
+            trajectory_rng(inputs.seed),
+            sc.rollout.batch_trajectories,
+            sc.rollout.staleness_versions,
+            sc.rollout.initial_policy_version,
+            sc.rollout.max_context_tokens,
+            means(inputs.trajectory_model).env_latency_s,
+        )
+        self.mean_turns = mean_turns(inputs.trajectory_model)
+        el = sc.elastic
+        self.slurm = SlurmModel.from_windows(
+            inputs.windows,
+            queue_delay_median_s=el.queue_delay_median_s,
+            queue_delay_sigma=el.queue_delay_sigma,
+            grace_s=el.grace_s,
+            rng=np.random.default_rng(np.random.SeedSequence(inputs.seed).spawn(2)[1]),
+        )
+        self.loop: EventLoop[tuple[Any, ...]] = EventLoop()
+        self.fleet = Fleet(self.profile)
+        self.state: ClusterState = initial_state(sc)
+        self.version = sc.rollout.initial_policy_version
+        self.train_step_s = sc.training.train_step_s or self.profile.costs.train_step_s
+        self.trainer_gpus = sum(1 for g in self.state.gpus if g.source is GpuSource.BASE_TRAIN)
+        self.trainer_present = self.trainer_gpus
+        self.training = False
+        self.next_batch = 0
+        self.needs_since_s: float | None = None
+        self.pending_events: list[Event] = []
+        self.dead_nodes: set[str] = set()
+        self.plan: PlanExecution | None = None
+        self.decide_after_plan = False
+        self.next_decision_s = 0.0
+        self.num_allocations = 0
+        self.elastic_clock, self.lent_clock = GpuClock(), GpuClock()
+        self.max_wait_s = 0.0
+        self.train_steps = 0
+        self.transitions = 0
+        self.decisions = 0
+        self.predictions: list[tuple[float, int, float]] = []  # (t, last traj index, predicted)
+        self.prediction_pairs: list[tuple[float, float]] = []
+        self.handlers: dict[str, Callable[..., Follow]] = {
+            "begin": self._start_trajectories,
+            "step": self._on_step,
+            "arrive": self._on_arrive,
+            "kick": self._on_kick,
+            "unpark": self.unpark,
+            "slurm": self._on_slurm,
+            "eligible": self._on_eligible,
+            "plan": self._on_plan,
+            "train_done": self._on_train_done,
+            "decide": self._on_decide,
+        }
+
+    # --- the run -----------------------------------------------------------------------
+
+    def run(self, progress: Callable[[float], None] | None = None) -> RunMetrics:
+        sc = self.inputs.scenario
+        self._log(
+            RunStarted.model_construct(
+                t=0.0,
+                run_id=f"{sc.name}-{self.policy.name}-{self.inputs.seed}",
+                source="simulator",
+                policy=self.policy.name,
+                scenario=sc.name,
+                seed=self.inputs.seed,
+                profile=sc.profile,
+            )
+        )
+        for t in self.slurm.wakeups():
+            if t < self.duration_s:
+                self.loop.schedule(t, ("eligible",), P_SLURM)
+        self.loop.schedule(0.0, ("begin",), P_ARRIVE)
+        self.loop.schedule(0.0, ("decide", "start"), P_DECIDE)
+        step_s = self.duration_s / 100
+        t = 0.0
+        while t < self.duration_s:
+            t = min(t + step_s, self.duration_s)
+            self.loop.run(self._handle, until_s=t)
+            if progress is not None:
+                progress(t / self.duration_s)
+        self._log(RunEnded.model_construct(t=self.duration_s, reason="duration reached"))
+        return self._metrics()
+
+    def _handle(self, event: tuple[Any, ...], now_s: float) -> Follow:
+        return self.handlers[event[0]](now_s, *event[1:])
+
+    def _log(self, record: Record) -> None:
+        if self.sink is not None:
+            self.sink(record)
+
+    # --- engines -------------------------------------------------------------------------
+
+    def _kick(self, inst: Instance, now_s: float) -> Follow:
+        end_s = self.fleet.start_step(inst, now_s, self.next_decision_s)
+        if end_s is None:
+            return []
+        return [(end_s, ("step", inst), P_STEP)]
+
+    def _on_kick(self, now_s: float, inst: Instance) -> Follow:
+        if self.fleet.instances.get(inst.worker_id) is not inst:
+            return []
+        return self._kick(inst, now_s)
+
+    def _on_step(self, now_s: float, inst: Instance) -> Follow:
+        if self.fleet.instances.get(inst.worker_id) is not inst or inst.busy_until_s != now_s:
+            return []  # the instance was removed mid-step
+        start_s = inst.step_started_s
+        result = self.fleet.end_step(inst)
+        out: Follow = []
+        for h in result.handoffs:
+            traj = self.rollout.in_flight[h.request.traj_id]
+            out += self._send_handoff(traj, h, inst, start_s + h.ready_offset_s)
+        for f in result.finished:
+            traj = self.rollout.in_flight[f.request.traj_id]
+            out += self._turn_done(traj, start_s + f.finish_offset_s, inst.weights_version)
+        out += self._kick(inst, now_s)
+        return out
+
+    def _send_handoff(
+        self, traj: Trajectory, h: KvHandoff, src: Instance, ready_s: float
+    ) -> Follow:
+        dst = self.fleet.route_decode()
+        if dst is None:  # no decode instance any more: the turn starts over
+            return self._submit(traj, ready_s)
+        req = handoff_request(h, traj.next_request().request_id)
+        tp = min(src.tp, dst.tp)
+        arrive_s = ready_s + kv_transfer_s(
+            h.kv_tokens, self.profile, src.gpu_type, src.node == dst.node, tp
+        )
+        self.fleet.expect(dst, req.request_id, arrive_s)
+        return [(max(arrive_s, self.loop.now_s), ("arrive", req, dst), P_ARRIVE)]
+
+    def _turn_done(self, traj: Trajectory, at_s: float, version: int) -> Follow:
+        at_s = max(at_s, self.loop.now_s)
+        tool_end_s = self.rollout.finish_turn(traj, at_s, version)
+        if tool_end_s is not None:
+            return self._submit(traj, tool_end_s)
+        batch = self.rollout.finish(traj, at_s)
+        self._log(
+            TrajectoryFinished.model_construct(
+                t=at_s,
+                traj_id=traj.traj_id,
+                batch_id=traj.batch_id,
+                num_turns=traj.spec.num_turns,
+                output_tokens=sum(traj.spec.output_tokens),
+                min_policy_version=traj.min_version,
+            )
+        )
+        self._check_predictions(at_s)
+        if batch.completed_s is not None:
+            self._log(
+                BatchCompleted.model_construct(
+                    t=at_s,
+                    batch_id=batch.batch_id,
+                    started_t=batch.started_s or 0.0,
+                    predicted_s=batch.predicted_s,
+                )
+            )
+            return self._maybe_train(at_s)
+        return []
+
+    def _submit(self, traj: Trajectory, at_s: float) -> Follow:
+        """Send the trajectory's current turn (what is left of it) to an instance at ``at_s``."""
+        req = traj.next_request()
+        inst = self.fleet.route(req)
+        if inst is not None:
+            self.fleet.expect(inst, req.request_id, at_s)
+        return [(max(at_s, self.loop.now_s), ("arrive", req, inst), P_ARRIVE)]
+
+    def _on_arrive(self, now_s: float, req: Request, inst: Instance | None) -> Follow:
+        traj = self.rollout.in_flight[req.traj_id]
+        if inst is not None:
+            self.fleet.arrive(inst)
+        if inst is None or inst.worker_id not in self.fleet.accepting:
+            if req.kv_ready_tokens:  # its KV went to an instance that left: start over
+                return self._submit(traj, now_s)
+            inst = self.fleet.route(req)
+            if inst is None:
+                self.fleet.parked.append(req)
+                return []
+        inst.engine.submit(req)
+        traj.phase = TrajPhase.QUEUED
+        return self._kick(inst, now_s)
+
+    def resubmit(self, partials: Iterable[PartialOutput], now_s: float, version: int) -> Follow:
+        """Requests taken off an instance continue elsewhere with what they generated."""
+        out: Follow = []
+        for p in partials:
+            traj = self.rollout.in_flight[p.request.traj_id]
+            self.rollout.turn_generated(traj, p.num_generated_tokens, version)
+            out += self._submit(traj, now_s)
+        return out
+
+    def unpark(self, now_s: float) -> Follow:
+        parked, self.fleet.parked = self.fleet.parked, []
+        out: Follow = []
+        for req in parked:
+            out += self._on_arrive(now_s, req, None)
+        return out
+
+    # --- trajectories and the trainer ----------------------------------------------------
+
+    def _start_trajectories(self, now_s: float) -> Follow:
+        out: Follow = []
+        for _ in range(self.rollout.startable(self.version)):
+            out += self._submit(self.rollout.start(now_s), now_s)
+        return out
+
+    def _batch_ready(self) -> bool:
+        b = self.rollout.batches.get(self.next_batch)
+        return b is not None and b.completed_s is not None
+
+    def _maybe_train(self, now_s: float) -> Follow:
+        if self.training or not self._batch_ready():
+            return []
+        if self.trainer_present < self.trainer_gpus:
+            if self.needs_since_s is None:
+                self.needs_since_s = now_s
+                return [(now_s, ("decide", "trainer needs its GPUs"), P_DECIDE)]
+            return []
+        waited_s = 0.0 if self.needs_since_s is None else now_s - self.needs_since_s
+        self.max_wait_s = max(self.max_wait_s, waited_s)
+        self.policy.on_train_step(waited_s)
+        self.needs_since_s = None
+        self.training = True
+        self._log(
+            TrainStep.model_construct(
+                t=now_s,
+                step=self.train_steps,
+                started_t=now_s,
+                policy_version=self.version + 1,
+                waited_for_gpus_s=waited_s,
+            )
+        )
+        return [
+            (now_s + self.train_step_s, ("train_done",), P_TRAIN),
+            (now_s, ("decide", "trainer started an update"), P_DECIDE),
+        ]
+
+    def _on_train_done(self, now_s: float) -> Follow:
+        self.training = False
+        self.train_steps += 1
+        self.next_batch += 1
+        self.version += 1
+        self.state = synced(self.state, self.version)
+        out: Follow = []
+        if self.inputs.scenario.training.weight_sync_every_update:
+            pause_s = now_s + self.profile.costs.weight_sync_s
+            for inst in self.fleet.instances.values():
+                inst.weights_version = self.version
+                inst.paused_until_s = pause_s
+                out.append((pause_s, ("kick", inst), P_STEP))
+        out += self._start_trajectories(now_s)
+        out += self._maybe_train(now_s)
+        out.append((now_s, ("decide", "trainer waiting"), P_DECIDE))
+        return out
+
+    def trainer_gpus_changed(self, now_s: float, delta: int) -> Follow:
+        self.trainer_present += delta
+        self.lent_clock.add(now_s, -delta)
+        return self._maybe_train(now_s) if delta > 0 else []
+
+    # --- Slurm ---------------------------------------------------------------------------
+
+    def _on_eligible(self, now_s: float) -> Follow:
+        return [(ev.time_s, ("slurm", ev), P_SLURM) for ev in self.slurm.schedule(now_s)]
+
+    def _on_slurm(self, now_s: float, ev: SlurmEvent) -> Follow:
+        if not self.slurm.apply(ev):
+            return []
+        job = self.slurm.jobs[ev.allocation_id]
+        out: Follow = []
+        if ev.kind == "granted":
+            nodes = tuple(
+                GrantedNode(node=n.name, gpu_type=n.gpu_type, num_gpus=8) for n in job.nodes
+            )
+            self.pending_events.append(
+                AllocationGranted(allocation_id=job.allocation_id, nodes=nodes, end_by_s=None)
+            )
+            self.elastic_clock.add(now_s, job.num_gpus)
+        elif ev.kind == "preempting":
+            self.pending_events.append(
+                AllocationPreempting(allocation_id=job.allocation_id, deadline_s=job.ends_s)
+            )
+        else:
+            self.pending_events.append(
+                AllocationEnded(allocation_id=job.allocation_id, reason="reclaimed")
+            )
+            self.elastic_clock.add(now_s, -job.num_gpus)
+            out += self.kill_nodes({n.name for n in job.nodes}, now_s)
+            out += self._on_eligible(now_s)
+        self._log(
+            AllocationChanged.model_construct(
+                t=now_s,
+                allocation_id=job.allocation_id,
+                status=ev.kind,
+                gpu_type=job.gpu_type,
+                num_gpus=job.num_gpus,
+                reason="",
+            )
+        )
+        out.append((now_s, ("decide", f"allocation {ev.kind}"), P_DECIDE))
+        return out
+
+    def is_dead(self, node: str) -> bool:
+        return node in self.dead_nodes
+
+    def kill_nodes(self, nodes: set[str], now_s: float) -> Follow:
+        self.dead_nodes |= nodes
+        out: Follow = []
+        for wid, inst in list(self.fleet.instances.items()):
+            if inst.node in nodes:
+                out += self.resubmit(self.fleet.remove(wid), now_s, inst.weights_version)
+        return out
+
+    def _release(self, allocation_id: str, now_s: float) -> Follow:
+        job = self.slurm.jobs.get(allocation_id)
+        if job is None or job.status == "ended":
+            return []
+        if job.status in ("granted", "preempting"):
+            self.elastic_clock.add(now_s, -job.num_gpus)
+        out = self.kill_nodes({n.name for n in job.nodes}, now_s)
+        self.slurm.release(allocation_id)
+        self.pending_events.append(AllocationEnded(allocation_id=allocation_id, reason="released"))
+        self._log(
+            AllocationChanged.model_construct(
+                t=now_s,
+                allocation_id=allocation_id,
+                status="released",
+                gpu_type=job.gpu_type,
+                num_gpus=job.num_gpus,
+                reason="policy",
+            )
+        )
+        return out + self._on_eligible(now_s)
+
+    # --- decisions and plans -------------------------------------------------------------
+
+    def _on_decide(self, now_s: float, why: str) -> Follow:
+        out: Follow = []
+        if why == "tick" and now_s < self.next_decision_s:
+            return []
+        if self.plan is not None:
+            self.decide_after_plan = True
+            return []
+        self.next_decision_s = now_s + self.inputs.decision_interval_s
+        out.append((self.next_decision_s, ("decide", "tick"), P_DECIDE))
+        obs = Observation(
+            events=tuple(self.pending_events),
+            trainer=TrainerStatus(
+                phase=TrainerPhase.TRAINING if self.training else TrainerPhase.WAITING,
+                needs_gpus=self.needs_since_s is not None,
+            ),
+            workload=self.rollout.snapshot(now_s, self.version, self.mean_turns),
+        )
+        self.pending_events = []
+        cfg = self.policy.config(bootstrap=self.decisions == 0)
+        decision = decide(self.state, obs, cfg, self.profile, now_s)
+        self.decisions += 1
+        self.state = decision.state
+        plan = decision.plan
+        predicted_s = decision.current.completion_s
+        if not plan.empty:
+            predicted_s = decision.selection.best.completion_s + plan.makespan_s
+        self._note_prediction(now_s, obs.workload.num_unfinished, predicted_s)
+        self._log_decision(now_s, decision)
+        for req in decision.elastic.requests:
+            out += self._request(req.gpu_type, req.num_gpus, now_s)
+        releases = decision.elastic.releases
+        if not plan.empty:
+            self.transitions += 1
+            self.plan = PlanExecution(self, decision, now_s, releases)
+            out += self.plan.begin(now_s)
+        else:
+            for a in releases:
+                out += self._release(a, now_s)
+        return out
+
+    def _request(self, gpu_type: str, num_gpus: int, now_s: float) -> Follow:
+        self.num_allocations += 1
+        aid = f"el{self.num_allocations:04d}"
+        eligible_s = self.slurm.submit(now_s, aid, gpu_type, num_gpus)
+        self.pending_events.append(
+            AllocationPending(allocation_id=aid, gpu_type=gpu_type, num_gpus=num_gpus)
+        )
+        self._log(
+            AllocationChanged.model_construct(
+                t=now_s,
+                allocation_id=aid,
+                status="requested",
+                gpu_type=gpu_type,
+                num_gpus=num_gpus,
+                reason="",
+            )
+        )
+        return [(eligible_s, ("eligible",), P_SLURM)]
+
+    def _on_plan(self, now_s: float, what: str, index: int) -> Follow:
+        assert self.plan is not None
+        out = self.plan.on_event(now_s, what, index)
+        if self.plan.done:
+            self.state = self.plan.final_state
+            for a in self.plan.releases:
+                out += self._release(a, now_s)
+            self.plan = None
+            out += self._maybe_train(now_s)
+            if self.decide_after_plan:
+                self.decide_after_plan = False
+                out.append((now_s, ("decide", "after plan"), P_DECIDE))
+        return out
+
+    def _log_decision(self, now_s: float, d: Decision) -> None:
+        if self.sink is None:
+            return
+        fin = [d.current.completion_s, d.selection.best.completion_s]
+        self._log(
+            DecisionMade.model_construct(
+                t=now_s,
+                policy=self.policy.name,
+                pd_mode=d.plan.target.config.mode.value,
+                target=d.plan.target.config.label(),
+                switch=d.switch.switch,
+                mandatory=d.switch.mandatory,
+                predicted_current_s=fin[0] if math.isfinite(fin[0]) else None,
+                predicted_target_s=fin[1] if math.isfinite(fin[1]) else None,
+                transition_s=d.plan.makespan_s,
+                num_steps=len(d.plan.steps),
+                borrow=d.borrow.kind.value,
+                num_elastic_requests=len(d.elastic.requests),
+                reasons=d.reasons,
+            )
+        )
+
+    # --- predictor accuracy --------------------------------------------------------------
+
+    def _note_prediction(self, now_s: float, num_unfinished: int, predicted_s: float) -> None:
+        if num_unfinished and math.isfinite(predicted_s):
+            last = self.rollout.num_started + self.rollout.startable(self.version) - 1
+            self.predictions.append((now_s, last, predicted_s))
+
+    def _check_predictions(self, now_s: float) -> None:
+        first_unfinished = next(iter(self.rollout.in_flight.values()), None)
+        done_below = (
+            int(first_unfinished.traj_id[1:]) if first_unfinished else self.rollout.num_started
+        )
+        while self.predictions and self.predictions[0][1] < done_below:
+            t, _, predicted_s = self.predictions.pop(0)
+            self.prediction_pairs.append((predicted_s, now_s - t))
+
+    # --- the result ----------------------------------------------------------------------
+
+    def _metrics(self) -> RunMetrics:
+        end_s = self.duration_s
+        batches = [
+            b.completed_s - b.started_s
+            for b in self.rollout.batches.values()
+            if b.completed_s is not None and b.started_s is not None
+        ]
+        return RunMetrics(
+            policy=self.policy.name,
+            seed=self.inputs.seed,
+            duration_s=end_s,
+            trajectories=self.rollout.num_finished,
+            unfinished=len(self.rollout.in_flight),
+            output_tokens=self.rollout.output_tokens,
+            train_steps=self.train_steps,
+            gpu_hours_base=self.inputs.scenario.base_gpus * end_s / 3600,
+            gpu_hours_borrowed=self.lent_clock.total_s(end_s) / 3600,
+            gpu_hours_elastic=self.elastic_clock.total_s(end_s) / 3600,
+            batch_times_s=tuple(batches),
+            transitions=self.transitions,
+            max_trainer_wait_s=self.max_wait_s,
+            decisions=self.decisions,
+            events=self.loop.num_processed,
+            predictions=tuple(self.prediction_pairs),
+        )
+
+
+def simulate(
+    inputs: RunInputs,
+    policy: SimPolicy,
+    sink: Sink | None = None,
+    progress: Callable[[float], None] | None = None,
+) -> RunMetrics:
+    return Simulation(inputs, policy, sink).run(progress)
