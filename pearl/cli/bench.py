@@ -6,6 +6,7 @@ import argparse
 import json
 
 from pearl.bench.decide import bench_decide
+from pearl.bench.simulator import bench_predictor, bench_sim
 from pearl.io.documents import InputError
 
 
@@ -18,6 +19,17 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     d.add_argument("--profile", default="qwen3-8b", help="shipped profile name or path")
     d.add_argument("--json", action="store_true", help="print only the JSON object")
     d.set_defaults(run=_run_decide)
+    pr = which.add_parser("predictor", help="predictor error against simulated batch times")
+    pr.add_argument("scenario", help="scenario file (benchmarks/scenarios/*.yaml)")
+    pr.add_argument("--seeds", type=int, default=1, help="pearl runs to pool")
+    pr.add_argument("--duration-s", type=float, default=None, help="override the simulated time")
+    pr.add_argument("--json", action="store_true", help="print only the JSON object")
+    pr.set_defaults(run=_run_predictor)
+    sm = which.add_parser("sim", help="simulation speed at scale")
+    sm.add_argument("--gpus", type=int, default=256, help="GPUs: base and elastic together")
+    sm.add_argument("--sim-hours", type=float, default=24.0, help="simulated hours")
+    sm.add_argument("--json", action="store_true", help="print only the JSON object")
+    sm.set_defaults(run=_run_sim)
 
 
 def _run_decide(args: argparse.Namespace) -> int:
@@ -26,3 +38,20 @@ def _run_decide(args: argparse.Namespace) -> int:
     result = bench_decide(args.gpus, args.repeats, args.profile)
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
     return 0
+
+
+def _print(result: dict[str, object], as_json: bool) -> int:
+    print(json.dumps(result) if as_json else json.dumps(result, indent=2))
+    return 0
+
+
+def _run_predictor(args: argparse.Namespace) -> int:
+    if args.seeds < 1 or (args.duration_s is not None and args.duration_s <= 0):
+        raise InputError("<command line>", "--seeds/--duration-s", "need >= 1 and > 0")
+    return _print(bench_predictor(args.scenario, args.seeds, args.duration_s), args.json)
+
+
+def _run_sim(args: argparse.Namespace) -> int:
+    if args.gpus < 32 or args.sim_hours <= 0:
+        raise InputError("<command line>", "--gpus/--sim-hours", "need --gpus >= 32, hours > 0")
+    return _print(bench_sim(args.gpus, args.sim_hours), args.json)

@@ -20,7 +20,9 @@ spots in ``docs/predictor.md``):
 3. The last turn has no env step: each trajectory ends earlier by the env time the fluid
    added over its last turn (e where latency binds, nothing where capacity binds).
 4. ``completion_s = max(fluid, critical path)``; the critical path is the longest
-   remaining trajectory served alone (N = 1, batch 1, no contention).
+   remaining trajectory served alone (N = 1, batch 1, no contention), or, when the
+   workload's turn statistics carry spreads, the expected slowest of its n trajectories
+   (``_straggler_s``: gamma-distributed remaining times, quantile n / (n + 1)).
 
 ``prepare`` (module ``prepared``) does the per-workload work once. ``predict_prepared_many``
 then solves every configuration at once: arrays have the configuration as their first
@@ -48,6 +50,7 @@ from dataclasses import dataclass, fields, replace
 
 import numpy as np
 from numpy.typing import NDArray
+from scipy.special import gammaincinv
 
 from pearl.core.engine_groups import EngineGroups, engine_groups
 from pearl.core.pd import PDConfig
@@ -61,7 +64,7 @@ from pearl.core.prepared import (
 )
 from pearl.core.profile import RuntimeProfile
 from pearl.core.turn_model import BOUND_NAMES, Cycle, solve_cycle
-from pearl.core.workload import WorkloadSnapshot
+from pearl.core.workload import TurnStats, WorkloadSnapshot
 
 __all__ = [
     "DEFAULT_MAX_SEGMENTS",
@@ -186,6 +189,8 @@ def _predict_groups(w: PreparedWorkload, g: EngineGroups) -> list[Prediction]:
     critical += _offset_s(w.alone, e, alone, alone_cycle_s) - e
     critical += w.alone_overrun_s
     critical_s = np.maximum(critical.max(axis=1), max(w.env_tail_s, 0.0))
+    if w.spread is not None and w.num_trajectories > 1:
+        critical_s = np.maximum(critical_s, _straggler_s(w, w.spread, critical, alone))
 
     # The bottleneck: the binding term of the most fluid time (sums in segment order).
     num_configs, num_codes = len(r), len(BOUND_NAMES)
@@ -225,6 +230,41 @@ def _predict_groups(w: PreparedWorkload, g: EngineGroups) -> list[Prediction]:
         Prediction(row[0], names[code + 1], _breakdown(row[1:], counts)) if ok else _NO_KV
         for ok, code, row in zip(feasible.tolist(), bound_code.tolist(), columns, strict=True)
     ]
+
+
+_STRAGGLER_CANDIDATES = 8  # longest mean paths per configuration given a spread
+
+
+def _straggler_s(w: PreparedWorkload, spread: TurnStats, critical: F64, alone: Cycle) -> F64:
+    """Expected time of the slowest unfinished trajectory (the batch's straggler).
+
+    A critical-path candidate's mean path ``mu`` (its column of ``critical``) is what one
+    trajectory at its position takes on average. Its spread comes from its ``R`` turns
+    left: ``var = R (tau^2 sd_o^2 + sd_e^2) + (cv_R R T)^2``, with ``tau`` the decode time
+    per token and ``T`` the turn time of the candidate alone, and ``cv_R`` the relative
+    spread of the turns left. The ``n`` trajectories with at least ``R`` turns left are
+    taken as independent gamma variables with that mean and variance (a sum of
+    long-tailed turns is right-skewed; a lognormal overshoots the maximum of many, a
+    normal undershoots it), and their slowest as the quantile ``n / (n + 1)``. The
+    straggler is the largest over the ``_STRAGGLER_CANDIDATES`` longest candidates.
+    """
+    assert w.alone_at_least is not None
+    o = w.turn.output_tokens
+    k = min(_STRAGGLER_CANDIDATES, critical.shape[1])
+    cols = np.argpartition(-critical, k - 1, axis=1)[:, :k]
+    rows = np.arange(len(critical))[:, None]
+    mu = np.maximum(critical[rows, cols], 1e-9)
+    turns = w.alone.remaining_turns[cols]
+    tau_s = alone.decode_s[rows, cols] / o
+    cycle_s = alone.cycle_s[rows, cols]
+    sd_o, sd_e = spread.output_tokens_sd or 0.0, spread.env_latency_sd or 0.0
+    cv_r = spread.turns_cv or 0.0
+    var = turns * (tau_s**2 * sd_o**2 + sd_e**2) + (cv_r * turns * cycle_s) ** 2
+    n = w.alone_at_least[cols]
+    shape = mu**2 / np.maximum(var, 1e-300)
+    quantile = (var / mu) * gammaincinv(np.maximum(shape, 1e-9), n / (n + 1.0))
+    out: F64 = np.where(var > 0, quantile, mu).max(axis=1)
+    return out
 
 
 _BREAKDOWN_FLOATS = tuple(f.name for f in fields(PredictionBreakdown))[:-2]  # then the counts

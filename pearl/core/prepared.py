@@ -40,7 +40,7 @@ from numpy.typing import NDArray
 from pearl.core.engine_groups import TurnShape
 from pearl.core.profile import RuntimeProfile
 from pearl.core.turn_model import Segments, segments
-from pearl.core.workload import TrajPhase, WorkloadSnapshot
+from pearl.core.workload import TrajPhase, TurnStats, WorkloadSnapshot
 
 F64 = NDArray[np.float64]
 Index = NDArray[np.intp]
@@ -107,6 +107,8 @@ class PreparedWorkload:
     alone: Positions
     alone_overrun_s: F64  # longest env time beyond e among the candidate's trajectories
     alone_segments: Segments
+    spread: TurnStats | None = None  # per-turn spreads, for the straggler estimate
+    alone_at_least: F64 | None = None  # per candidate: trajectories with >= its turns left
 
     @property
     def num_segments(self) -> int:
@@ -207,6 +209,8 @@ def prepare(
         alone_segments=segments(
             turn, np.ones(len(alone)), ctx_alone[alone], var_alone[alone], np.full(len(alone), e)
         ),
+        spread=stats if stats.has_spread else None,
+        alone_at_least=(n - np.searchsorted(np.sort(turns), turns_seg[alone])).astype(float),
     )
 
 

@@ -44,11 +44,24 @@ class TrajectoryProgress(Frozen):
 
 
 class TurnStats(Frozen):
-    """Observed per-turn means of the run; they override the profile's defaults."""
+    """Observed per-turn means of the run; they override the profile's defaults.
+
+    The standard deviations, when given, let the predictor estimate the batch's
+    straggler (the slowest of many trajectories, not the mean one; ``docs/predictor.md``).
+    """
 
     output_tokens_per_turn: Annotated[float, Field(gt=0)]
     observation_tokens_per_turn: NonNegFloat
     env_latency_s: NonNegFloat
+    output_tokens_sd: NonNegFloat | None = Field(None, description="Per-turn output spread.")
+    env_latency_sd: NonNegFloat | None = Field(None, description="Per-turn env latency spread.")
+    turns_cv: NonNegFloat | None = Field(
+        None, description="Relative spread (sd / mean) of a trajectory's turns left."
+    )
+
+    @property
+    def has_spread(self) -> bool:
+        return None not in (self.output_tokens_sd, self.env_latency_sd, self.turns_cv)
 
 
 class WorkloadSnapshot(Frozen):

@@ -3,7 +3,8 @@
 ``run_inputs`` fits the trajectory model to the public traces (once per process; the
 fit is deterministic), rescales it to the scenario's means, and builds the elastic
 windows: the Helios series moved to run time for ``source: trace``, or synthetic
-windows drawn from the run's seed for ``source: synthetic``.
+windows drawn from the run's seed for ``source: synthetic`` (from ``SYNTHETIC_WARMUP_S``
+before the start, so the run begins with the windows the process would have open).
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from pearl.sim.trajectories import TrajectoryModel, scaled
 from pearl.traces import fit_trajectory_model_from, helios_windows, traces_dir
 
 WINDOW_SEED_SALT = 0x5EED  # windows draw from their own stream, apart from the run's
+# Synthetic windows are drawn from this long before the run starts, so a run begins in the
+# arrival process's steady state (windows already open), as a trace offset does for Helios.
+SYNTHETIC_WARMUP_S = 24 * 3600.0
 
 
 @cache
@@ -43,9 +47,9 @@ def windows_for(scenario: Scenario, seed: int, directory: Path) -> tuple[Window,
     if el.synthetic is not None:
         s = el.synthetic
         rng = np.random.default_rng([WINDOW_SEED_SALT, seed])
-        return synthetic_windows(
+        drawn = synthetic_windows(
             rng,
-            horizon_s=scenario.duration_s,
+            horizon_s=SYNTHETIC_WARMUP_S + scenario.duration_s,
             arrivals_per_h=s.arrivals_per_h,
             mean_lifetime_s=s.lifetime_mean_s,
             lifetime_sigma=s.lifetime_sigma,
@@ -53,6 +57,7 @@ def windows_for(scenario: Scenario, seed: int, directory: Path) -> tuple[Window,
             num_nodes=s.gpus_per_allocation // 8,
             max_gpus=s.max_gpus,
         )
+        return clip_windows(drawn, SYNTHETIC_WARMUP_S, scenario.duration_s, None)
     return ()
 
 

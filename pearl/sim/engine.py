@@ -39,7 +39,8 @@ and reports a ``KvHandoff`` of its ``context_tokens``.
 
 ``step(max_steps=k)`` may run up to ``k`` decode steps at once when nothing can change
 the batch in between (every running sequence decoding, no admission possible, blocks for
-the growth available): the same outcome as ``k`` single steps, in one call of O(batch).
+the growth available): the same outcome as ``k`` single steps, in one call whose cost does
+not grow with the batch (decoding sequences advance lazily, see ``EngineModel``).
 
 Invariants (asserted by ``tests/sim/test_engine.py``):
 - held and cached KV never exceed ``kv_capacity_tokens`` (rounded down to blocks);
@@ -52,9 +53,9 @@ Invariants (asserted by ``tests/sim/test_engine.py``):
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import deque
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -125,16 +126,20 @@ IDLE_STEP = StepResult(0.0, 0, 0, 0, 0)
 
 @dataclass(slots=True, eq=False)
 class _Seq:
+    """A request on this instance. While it decodes (``decoding``), its counters are kept
+    lazily: the true ones are the stored ones plus ``EngineModel._dec - mark``, the decode
+    steps the whole decoding batch ran since the sequence last synced (``_true``)."""
+
     request: Request
     num_tokens: int  # prompt to compute: context plus tokens generated before a preemption
     num_generated: int = 0
-    num_computed: int = 0  # tokens whose KV is held
-    num_blocks: int = 0
+    num_computed: int = 0  # tokens whose KV is held (its blocks: blocks_for(num_tokens))
     kv_ready_tokens: int = field(default=0)
-
-    @property
-    def remaining_tokens(self) -> int:
-        return self.request.output_tokens - self.num_generated
+    decoding: bool = False  # running with its prompt computed: counters are lazy
+    mark: int = 0  # EngineModel._dec when the stored counters were true
+    order: int = 0  # admission order (the running batch's order)
+    cls: int = 0  # (num_tokens - mark) % BLOCK_TOKENS while decoding
+    entry: tuple[int, int, _Seq] | None = None  # its live entry in the finish heap
 
 
 def kv_transfer_s(
@@ -148,7 +153,15 @@ def kv_transfer_s(
 
 
 class EngineModel:
-    """One engine instance: queue, running batch and KV cache; ``step()`` advances it."""
+    """One engine instance: queue, running batch and KV cache; ``step()`` advances it.
+
+    Bookkeeping for speed (results are those of the plain per-sequence rules): the
+    running batch is an insertion-ordered dict (oldest first); sequences still
+    prefilling are also kept apart, in the same order; decoding sequences advance lazily
+    through the decode-step counter ``_dec`` (``_Seq``), with their total context, a
+    histogram of their token counts modulo the block size (for the blocks ``k`` more
+    tokens need) and a heap of the ``_dec`` at which each finishes kept up to date.
+    """
 
     def __init__(self, role: Role, engine: EngineProfile, kv_capacity_tokens: int) -> None:
         if role not in INFERENCE_ROLES:
@@ -157,9 +170,16 @@ class EngineModel:
         self.engine = engine
         self.kv = KvCache(kv_capacity_tokens)
         self._waiting: deque[_Seq] = deque()
-        self._running: list[_Seq] = []
+        self._running: dict[_Seq, None] = {}  # oldest first
+        self._prefilling: dict[_Seq, None] = {}  # running with a partly computed prompt
         self._by_id: dict[str, _Seq] = {}
         self._accepting = True
+        self._dec = 0  # decode steps run by the decoding sequences, lazily applied
+        self._ctx = 0  # true num_tokens summed over the decoding sequences
+        # decoding sequences per _Seq.cls, twice over (a rotation is a contiguous slice)
+        self._hist = [0] * (2 * BLOCK_TOKENS)
+        self._heap: list[tuple[int, int, _Seq]] = []  # (finish at _dec, order, seq)
+        self._order = 0
 
     @classmethod
     def from_profile(
@@ -190,7 +210,10 @@ class EngineModel:
         return (self.kv.num_held_blocks + self.kv.num_cached_blocks) * BLOCK_TOKENS
 
     def num_generated(self, request_id: str) -> int:
-        return self._by_id[request_id].num_generated
+        seq = self._by_id[request_id]
+        if seq.decoding:
+            return seq.num_generated + self._dec - seq.mark
+        return seq.num_generated
 
     def cached_tokens(self, traj_id: str) -> int:
         return self.kv.cached_tokens(traj_id)
@@ -219,11 +242,11 @@ class EngineModel:
         seq = self._by_id.get(request_id)
         if seq is None:
             return None
-        if seq in self._waiting:
-            self._waiting.remove(seq)
-        else:
-            self._running.remove(seq)
+        if seq in self._running:
+            self._remove_running(seq)
             self._release(seq)
+        else:
+            self._waiting.remove(seq)
         return self._forget(seq)
 
     def drain(self) -> tuple[PartialOutput, ...]:
@@ -234,8 +257,9 @@ class EngineModel:
 
     def abort_all(self) -> tuple[PartialOutput, ...]:
         """Take every request off (running first, oldest first), e.g. before a switch."""
-        running, self._running = self._running, []
+        running = list(self._running)
         for seq in running:
+            self._remove_running(seq)
             self._release(seq)
         return tuple(self._forget(s) for s in running) + self._take_waiting()
 
@@ -248,7 +272,7 @@ class EngineModel:
     def step(self, max_steps: int = 1, max_duration_s: float = math.inf) -> StepResult:
         """Run one scheduler step, or up to ``max_steps`` identical decode steps that end
         within ``max_duration_s`` (at least one step is always run)."""
-        if not self.has_work:
+        if not (self._running or self._waiting):
             return IDLE_STEP
         if max_steps > 1:
             num_steps = self._stable_decode_steps(max_steps)
@@ -259,89 +283,129 @@ class EngineModel:
     def _single_step(self) -> StepResult:
         preempted: list[str] = []
         budget = self.engine.max_batched_tokens
-        self._admit_kv_ready()
-        decoding = self._schedule_decodes(budget, preempted)
-        chunks = self._schedule_prefills(budget - len(decoding))
+        if self._waiting:
+            self._admit_kv_ready()
+        num_decoding = len(self._running) - len(self._prefilling)
+        ctx = self._ctx
+        if num_decoding:
+            growth = self._hist[-self._dec % BLOCK_TOKENS]  # blocks one more token opens
+            kv = self.kv
+            if num_decoding <= budget and growth <= kv.num_blocks - kv.num_held_blocks:
+                # every decoding sequence decodes, without eviction or preemption
+                if growth:
+                    grown = kv.allocate(growth)  # evicts as growing one by one would
+                    assert grown, "growth blocks were checked"
+                self._dec += 1
+                self._ctx += num_decoding
+            else:
+                num_decoding, ctx = self._schedule_decodes(budget, preempted)
+        chunks = self._schedule_prefills(budget - num_decoding) if budget > num_decoding else []
         duration_s = 0.0
-        if decoding:
-            ctx = sum(s.num_tokens for s in decoding)
-            duration_s += float(self.engine.decode.step_s(len(decoding), ctx))
+        if num_decoding:
+            duration_s += self._decode_step_s(num_decoding, ctx)
+        num_prefill = 0
         if chunks:
-            new = [n for _, n in chunks]
-            prefix = [s.num_computed for s, _ in chunks]
-            duration_s += self.engine.prefill.batch_s(new, prefix)
-        finished = self._advance_decodes(decoding, 1, duration_s)
-        handoffs = self._advance_prefills(chunks, duration_s)
+            duration_s += self._prefill_s(chunks)
+            for _, n in chunks:
+                num_prefill += n
+        finished = self._finish(duration_s) if num_decoding else ()
+        handoffs = self._advance_prefills(chunks, duration_s) if chunks else ()
         return StepResult(
             duration_s,
             1,
-            len(decoding),
-            sum(n for _, n in chunks),
-            len(decoding),
+            num_decoding,
+            num_prefill,
+            num_decoding,
             finished,
             tuple(preempted),
             handoffs,
         )
 
+    def _decode_step_s(self, batch: int, ctx: int) -> float:
+        """``DecodeCoeffs.step_s(batch, ctx)`` on scalars, with the same float operations."""
+        decode = self.engine.decode
+        b = float(batch)
+        g = decode.small if b < decode.large_batch_from else decode.large
+        return g.base_s + g.per_seq_s * b + g.per_ctx_token_s * float(ctx)
+
+    def _prefill_s(self, chunks: list[tuple[_Seq, int]]) -> float:
+        """``PrefillCoeffs.batch_s`` of the chunks. Its float sums are of whole numbers
+        below 2**53 here, hence exact in any order: the same float from integer sums."""
+        new = 0
+        quad = 0
+        top = 0
+        for seq, n in chunks:
+            p = seq.num_computed
+            e = p + n
+            new += n
+            quad += e * e - p * p
+            if e > top:
+                top = e
+        prefill = self.engine.prefill
+        if top < 1 << 26 and quad < 1 << 53:
+            return (
+                prefill.a_s
+                + prefill.b_s_per_token * float(new)
+                + prefill.c_s_per_token2 * float(quad)
+            )
+        return prefill.batch_s([n for _, n in chunks], [s.num_computed for s, _ in chunks])
+
     # --- scheduling ------------------------------------------------------------------
 
-    def _schedule_decodes(self, budget: int, preempted: list[str]) -> list[_Seq]:
-        fast = self._decode_all_fast(budget)
-        if fast is not None:
-            return fast
+    def _schedule_decodes(self, budget: int, preempted: list[str]) -> tuple[int, int]:
+        """The general decode phase (KV pressure or a token budget short of the batch):
+        sequences grow one by one, oldest first, preempting the newest when blocks run
+        out. Returns the sequences decoded and their context before the step."""
+        self._sync()
         decoding: list[_Seq] = []
-        i = 0
-        while i < len(self._running) and len(decoding) < budget:
-            seq = self._running[i]
-            i += 1
-            if seq.num_computed < seq.num_tokens:
+        running = self._running
+        for seq in list(running):
+            if len(decoding) >= budget or seq not in running:
+                break  # out of budget, or preempted with everything after it
+            if not seq.decoding:
                 continue  # still prefilling
-            if not self._grow(seq, 1, preempted):
+            if not self._grow(seq, preempted):
                 break  # it preempted itself: everything after it is gone too
             decoding.append(seq)
-        return decoding
+        ctx = 0
+        for seq in decoding:
+            ctx += seq.num_tokens
+        left_out = len(running) - len(self._prefilling) - len(decoding)
+        if left_out:
+            skipped = [s for s in running if s.decoding and s not in decoding]
+            for seq in skipped:
+                self._stop_decoding(seq)
+            self._dec += 1
+            self._ctx += len(decoding)
+            for seq in skipped:
+                self._start_decoding(seq)
+        else:
+            self._dec += 1
+            self._ctx += len(decoding)
+        return len(decoding), ctx
 
-    def _decode_all_fast(self, budget: int) -> list[_Seq] | None:
-        """Every running sequence decodes and the KV has room for all of them: the same
-        outcome as growing them one by one, without the per-sequence allocation calls.
-        None when the general path is needed (a prefill in the batch, or KV pressure)."""
-        running = self._running
-        if len(running) > budget:
-            return None
-        need = 0
-        for seq in running:
-            if seq.num_computed < seq.num_tokens:
-                return None
-            need += -(-(seq.num_tokens + 1) // BLOCK_TOKENS) - seq.num_blocks
-        if need > self.kv.num_free_blocks:
-            return None
-        self.kv.num_held_blocks += need
-        for seq in running:
-            seq.num_blocks = -(-(seq.num_tokens + 1) // BLOCK_TOKENS)
-        return list(running)
-
-    def _grow(self, seq: _Seq, num_steps: int, preempted: list[str]) -> bool:
-        need = blocks_for(seq.num_tokens + num_steps) - seq.num_blocks
+    def _grow(self, seq: _Seq, preempted: list[str]) -> bool:
+        need = blocks_for(seq.num_tokens + 1) - blocks_for(seq.num_tokens)
         while need > 0 and not self.kv.allocate(need):
-            victim = self._running.pop()
+            victim = next(reversed(self._running))
+            self._remove_running(victim)
             self._preempt(victim)
             preempted.append(victim.request.request_id)
             if victim is seq:
                 return False
-        seq.num_blocks += max(need, 0)
         return True
 
     def _schedule_prefills(self, budget: int) -> list[tuple[_Seq, int]]:
         chunks: list[tuple[_Seq, int]] = []
-        for seq in self._running:
+        for seq in self._prefilling:
             if budget <= 0:
                 return chunks
-            if seq.num_computed < seq.num_tokens:
-                chunk = min(seq.num_tokens - seq.num_computed, budget)
-                chunks.append((seq, chunk))
-                budget -= chunk
-        while budget > 0 and self._waiting and self._admissible(self._waiting[0]):
-            seq = self._waiting.popleft()
+            chunk = min(seq.num_tokens - seq.num_computed, budget)
+            chunks.append((seq, chunk))
+            budget -= chunk
+        waiting = self._waiting
+        while budget > 0 and waiting and self._admissible(waiting[0]):
+            seq = waiting.popleft()
             self._admit(seq)
             if seq.num_computed < seq.num_tokens:
                 chunk = min(seq.num_tokens - seq.num_computed, budget)
@@ -373,9 +437,14 @@ class EngineModel:
         claimed = self.kv.claim(traj_id, total)
         allocated = self.kv.allocate(total - claimed)
         assert allocated, "admission checked the blocks"
-        seq.num_blocks = total
         seq.num_computed = max(hit_tokens, min(seq.kv_ready_tokens, seq.num_tokens))
-        self._running.append(seq)
+        self._order += 1
+        seq.order = self._order
+        self._running[seq] = None
+        if seq.num_computed < seq.num_tokens:
+            self._prefilling[seq] = None
+        else:
+            self._start_decoding(seq)
 
     def _preempt(self, seq: _Seq) -> None:
         self._release(seq)
@@ -384,24 +453,75 @@ class EngineModel:
         self._waiting.appendleft(seq)
 
     def _release(self, seq: _Seq) -> None:
-        self.kv.release(seq.num_blocks, seq.request.traj_id, seq.num_computed)
-        seq.num_blocks = 0
+        """A sequence taken off the running batch (its counters true) frees its blocks."""
+        self.kv.release(blocks_for(seq.num_tokens), seq.request.traj_id, seq.num_computed)
         seq.num_computed = 0
+
+    # --- bookkeeping of the running batch --------------------------------------------
+
+    def _start_decoding(self, seq: _Seq) -> None:
+        """A running sequence with its counters true and its prompt computed decodes."""
+        dec = self._dec
+        seq.decoding = True
+        seq.mark = dec
+        seq.cls = (seq.num_tokens - dec) % BLOCK_TOKENS
+        self._hist[seq.cls] += 1
+        self._hist[seq.cls + BLOCK_TOKENS] += 1
+        self._ctx += seq.num_tokens
+        entry = (dec + seq.request.output_tokens - seq.num_generated, seq.order, seq)
+        seq.entry = entry
+        heapq.heappush(self._heap, entry)
+
+    def _stop_decoding(self, seq: _Seq) -> None:
+        """Make the counters of a decoding sequence true and take it off the aggregates."""
+        delta = self._dec - seq.mark
+        if delta:
+            seq.num_tokens += delta
+            seq.num_computed += delta
+            seq.num_generated += delta
+        seq.decoding = False
+        seq.entry = None
+        self._hist[seq.cls] -= 1
+        self._hist[seq.cls + BLOCK_TOKENS] -= 1
+        self._ctx -= seq.num_tokens
+
+    def _sync(self) -> None:
+        """Make every decoding sequence's stored counters true (aggregates unchanged)."""
+        dec = self._dec
+        for seq in self._running:
+            if seq.decoding:
+                delta = dec - seq.mark
+                if delta:
+                    seq.num_tokens += delta
+                    seq.num_computed += delta
+                    seq.num_generated += delta
+                    seq.mark = dec
+
+    def _remove_running(self, seq: _Seq) -> None:
+        del self._running[seq]
+        if seq.decoding:
+            self._stop_decoding(seq)
+        else:
+            del self._prefilling[seq]
 
     # --- applying a step -------------------------------------------------------------
 
-    def _advance_decodes(
-        self, decoding: list[_Seq], num_steps: int, duration_s: float
-    ) -> tuple[Finished, ...]:
-        finished: list[Finished] = []
-        for seq in decoding:
-            seq.num_tokens += num_steps
-            seq.num_computed += num_steps
-            seq.num_generated += num_steps
-            if seq.num_generated >= seq.request.output_tokens:
-                finished.append(Finished(seq.request, duration_s))
-        self._retire(f.request.request_id for f in finished)
-        return tuple(finished)
+    def _finish(self, duration_s: float) -> tuple[Finished, ...]:
+        """Retire the decoding sequences that generated their last token."""
+        heap = self._heap
+        dec = self._dec
+        done: list[_Seq] = []
+        while heap and heap[0][0] <= dec:
+            entry = heapq.heappop(heap)
+            if entry[2].entry is entry:
+                done.append(entry[2])
+        if not done:
+            return ()
+        if len(done) > 1:
+            done.sort(key=_order)
+        for seq in done:
+            self._retire(seq)
+        return tuple([Finished(seq.request, duration_s) for seq in done])
 
     def _advance_prefills(
         self, chunks: list[tuple[_Seq, int]], duration_s: float
@@ -409,18 +529,20 @@ class EngineModel:
         for seq, chunk in chunks:
             seq.num_computed += chunk
         if self.role is not Role.PREFILL:
+            for seq, _ in chunks:
+                if seq.num_computed >= seq.num_tokens:
+                    del self._prefilling[seq]
+                    self._start_decoding(seq)
             return ()
         done = [s for s, _ in chunks if s.num_computed >= s.num_tokens]
-        self._retire(s.request.request_id for s in done)
+        for seq in done:
+            self._retire(seq)
         return tuple(KvHandoff(s.request, s.num_tokens, duration_s) for s in done)
 
-    def _retire(self, request_ids: Iterable[str]) -> None:
-        gone = [self._by_id.pop(r) for r in request_ids]
-        if not gone:
-            return
-        for seq in gone:
-            self._release(seq)
-        self._running = [s for s in self._running if s.request.request_id in self._by_id]
+    def _retire(self, seq: _Seq) -> None:
+        del self._by_id[seq.request.request_id]
+        self._remove_running(seq)
+        self._release(seq)
 
     def _forget(self, seq: _Seq) -> PartialOutput:
         del self._by_id[seq.request.request_id]
@@ -434,38 +556,78 @@ class EngineModel:
 
     def _stable_decode_steps(self, max_steps: int) -> int:
         """How many decode steps can run with the batch unchanged (1 if not several)."""
-        running = self._running
-        if self.role is Role.PREFILL or len(running) > self.engine.max_batched_tokens:
+        if (
+            self.role is Role.PREFILL
+            or self._prefilling
+            or len(self._running) > self.engine.max_batched_tokens
+        ):
             return 1
         num_steps = max_steps
-        for s in running:
-            if s.num_computed < s.num_tokens:
-                return 1
-            num_steps = min(num_steps, s.request.output_tokens - s.num_generated)
+        heap = self._heap
+        while heap and heap[0][2].entry is not heap[0]:
+            heapq.heappop(heap)  # a sequence that left
+        if heap:
+            num_steps = min(num_steps, heap[0][0] - self._dec)
+        if num_steps <= 1:
+            return 1
         if self._waiting and self._admissible(self._waiting[0]):
             return 1
-        available = self.kv.num_free_blocks + self.kv.num_cached_blocks
+        kv = self.kv
+        available = kv.num_blocks - kv.num_held_blocks
         while num_steps > 1 and self._growth_blocks(num_steps) > available:
             num_steps //= 2
         return num_steps
 
     def _growth_blocks(self, num_steps: int) -> int:
-        return sum(blocks_for(s.num_tokens + num_steps) - s.num_blocks for s in self._running)
+        """Blocks the decoding sequences need for ``num_steps`` more tokens each.
+
+        A sequence of ``t`` tokens has ``r = -t % BLOCK_TOKENS`` free slots in its last
+        block, so ``q * BLOCK_TOKENS + k`` more tokens (``k < BLOCK_TOKENS``) open ``q``
+        blocks, plus one when ``r < k``. Its ``cls`` is ``(t - _dec) % BLOCK_TOKENS``, so
+        ``r < k`` for the classes ``-_dec - j`` (``j < k``): ``k`` classes in a row."""
+        q, k = divmod(num_steps, BLOCK_TOKENS)
+        total = q * (len(self._running) - len(self._prefilling)) if q else 0
+        if k:
+            first = (-self._dec - k + 1) % BLOCK_TOKENS
+            total += sum(self._hist[first : first + k])
+        return total
 
     def _decode_steps(self, num_steps: int, max_duration_s: float) -> StepResult:
         batch = len(self._running)
-        ctx = sum(s.num_tokens for s in self._running)
-        times_s = self.engine.decode.step_s(batch, ctx + batch * np.arange(num_steps))
-        ends_s = np.cumsum(times_s)
-        num_steps = max(1, min(num_steps, int(np.searchsorted(ends_s, max_duration_s, "right"))))
-        duration_s = float(ends_s[num_steps - 1])
-        growth = 0
-        for seq in self._running:
-            blocks = -(-(seq.num_tokens + num_steps) // BLOCK_TOKENS)
-            growth += blocks - seq.num_blocks
-            seq.num_blocks = blocks
-        grown = self.kv.allocate(growth)  # evicts cached prefixes as one-by-one growth would
+        ctx = self._ctx
+        decode = self.engine.decode
+        b = float(batch)
+        g = decode.small if b < decode.large_batch_from else decode.large
+        c0 = g.base_s + g.per_seq_s * b
+        ck = g.per_ctx_token_s
+        # the cumulative step times one by one, as np.cumsum adds them, while few
+        duration_s = c0 + ck * float(ctx)
+        n = 1
+        limit = min(num_steps, _LOOP_STEPS)
+        while n < limit:
+            end_s = duration_s + (c0 + ck * float(ctx + batch * n))
+            if end_s > max_duration_s:
+                break
+            duration_s = end_s
+            n += 1
+        else:
+            if n < num_steps:  # many steps within the bound: vectorised
+                times_s = decode.step_s(batch, ctx + batch * np.arange(num_steps))
+                ends_s = np.cumsum(times_s)
+                count = int(np.searchsorted(ends_s, max_duration_s, "right"))
+                n = max(1, min(num_steps, count))
+                duration_s = float(ends_s[n - 1])
+        num_steps = n
+        grown = self.kv.allocate(self._growth_blocks(num_steps))  # evicts as one by one
         assert grown, "growth blocks were checked"
-        decoding = list(self._running)
-        finished = self._advance_decodes(decoding, num_steps, duration_s)
+        self._dec += num_steps
+        self._ctx += batch * num_steps
+        finished = self._finish(duration_s)
         return StepResult(duration_s, num_steps, batch, 0, batch * num_steps, finished)
+
+
+_LOOP_STEPS = 64  # multi-step calls of up to this many steps time them without numpy
+
+
+def _order(seq: _Seq) -> int:
+    return seq.order

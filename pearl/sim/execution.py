@@ -30,6 +30,7 @@ from pearl.core.apply import apply_plan
 from pearl.core.decision import Decision
 from pearl.core.plan import Action, PlanStep
 from pearl.core.state import ClusterState
+from pearl.logschema import PlanStepDone
 from pearl.sim.cluster import synced
 from pearl.sim.timeline import P_PLAN, P_STEP, P_TRAIN, Follow
 
@@ -66,6 +67,16 @@ class PlanExecution:
         step = self.steps[index]
         out = self._start(step, now_s) if what == "start" else self._end(step, now_s)
         if what == "end":
+            self.sim.log(
+                PlanStepDone.model_construct(
+                    t=now_s,
+                    action=step.action.value,
+                    worker_id=step.worker_id,
+                    started_t=self.start_s + step.start_s,
+                    ok=True,
+                    error="",
+                )
+            )
             self.remaining -= 1
             if self.remaining == 0:
                 self._finish(now_s)
@@ -83,9 +94,7 @@ class PlanExecution:
             version = inst.weights_version if inst else sim.version
             return sim.resubmit(fleet.stop_accepting(step.worker_id), now_s, version)
         if a in _LEAVE_AT_START:
-            inst = fleet.instances.get(step.worker_id)
-            version = inst.weights_version if inst else sim.version
-            return sim.resubmit(fleet.remove(step.worker_id), now_s, version)
+            return sim.take_off(step.worker_id, now_s)
         if a is Action.SYNC_WEIGHTS:
             inst = fleet.instances.get(step.worker_id)
             if inst is not None:

@@ -27,6 +27,7 @@ from pearl.sim.engine import Request
 from pearl.sim.trajectories import TrajectoryModel, TrajectorySpec, sample_trajectories
 
 _CHUNK = 256  # trajectories drawn from the seeded stream at a time
+MIN_OBSERVED = 32  # turns observed before the run's own statistics replace the defaults
 
 
 @dataclass
@@ -79,6 +80,11 @@ class Rollout:
     sum_output_tokens: int = 0
     sum_observation_tokens: int = 0
     sum_env_s: float = 0.0
+    sumsq_output_tokens: float = 0.0
+    sumsq_env_s: float = 0.0
+    env_steps: int = 0
+    sum_turns: int = 0  # of finished trajectories
+    sumsq_turns: int = 0
     _stream: Iterator[TrajectorySpec] | None = None
 
     def startable(self, engine_version: int) -> int:
@@ -115,10 +121,13 @@ class Rollout:
         self.output_tokens += out
         self.turns_done += 1
         self.sum_output_tokens += out
+        self.sumsq_output_tokens += out * out
         if traj.turn + 1 == traj.spec.num_turns:
             return None
         latency_s = traj.spec.tool_latency_s[traj.turn]
         self.sum_env_s += latency_s
+        self.sumsq_env_s += latency_s * latency_s
+        self.env_steps += 1
         traj.turn += 1
         new = traj.spec.new_tokens[traj.turn]
         self.sum_observation_tokens += new
@@ -130,42 +139,62 @@ class Rollout:
     def finish(self, traj: Trajectory, now_s: float) -> BatchRecord:
         del self.in_flight[traj.traj_id]
         self.num_finished += 1
+        self.sum_turns += traj.spec.num_turns
+        self.sumsq_turns += traj.spec.num_turns**2
         batch = self.batches[traj.batch_id]
         batch.finished += 1
         if batch.finished == self.batch_size:
             batch.completed_s = now_s
         return batch
 
-    def snapshot(self, now_s: float, engine_version: int, mean_turns: float) -> WorkloadSnapshot:
+    def snapshot(
+        self, now_s: float, engine_version: int, turns_left: tuple[float, ...]
+    ) -> WorkloadSnapshot:
         """The unfinished trajectories as the predictor sees them (not-started ones counted)."""
-        mean_env_s = self.sum_env_s / self.turns_done if self.turns_done else self.mean_env_s
+        mean_env_s = self.sum_env_s / self.env_steps if self.env_steps else self.mean_env_s
         progress = [
-            self._progress(t, now_s, mean_turns, mean_env_s) for t in self.in_flight.values()
+            self._progress(t, now_s, turns_left, mean_env_s) for t in self.in_flight.values()
         ]
-        stats = None
-        if self.turns_done >= 32:
-            stats = TurnStats(
-                output_tokens_per_turn=self.sum_output_tokens / self.turns_done,
-                observation_tokens_per_turn=self.sum_observation_tokens / self.turns_done,
-                env_latency_s=self.sum_env_s / self.turns_done,
-            )
         return WorkloadSnapshot(
             trajectories=tuple(progress),
             not_started=self.startable(engine_version),
-            stats=stats,
+            stats=self.turn_stats(),
+        )
+
+    def turn_stats(self) -> TurnStats | None:
+        """What the run observed so far: per-turn means once 32 turns have ended, and the
+        spreads once 32 tool calls and 16 trajectories have (the straggler estimate)."""
+        n = self.turns_done
+        if n < MIN_OBSERVED:
+            return None
+        spread = self.env_steps >= MIN_OBSERVED and self.num_finished >= MIN_OBSERVED // 2
+        return TurnStats(
+            output_tokens_per_turn=self.sum_output_tokens / n,
+            observation_tokens_per_turn=self.sum_observation_tokens / max(self.env_steps, 1),
+            env_latency_s=self.sum_env_s / max(self.env_steps, 1),
+            output_tokens_sd=_sd(self.sum_output_tokens, self.sumsq_output_tokens, n)
+            if spread
+            else None,
+            env_latency_sd=_sd(self.sum_env_s, self.sumsq_env_s, self.env_steps)
+            if spread
+            else None,
+            turns_cv=_sd(self.sum_turns, self.sumsq_turns, self.num_finished)
+            / (self.sum_turns / self.num_finished)
+            if spread
+            else None,
         )
 
     @staticmethod
     def _progress(
-        t: Trajectory, now_s: float, mean_turns: float, mean_env_s: float
+        t: Trajectory, now_s: float, turns_left: tuple[float, ...], mean_env_s: float
     ) -> TrajectoryProgress:
-        # What a coordinator knows: the turn a trajectory is at and for how long its tool
-        # has run, not its sampled future. Turns left: the mean less the turns done (at
-        # least this one); tool time left: the mean less the time spent (at least 0).
-        remaining = max(mean_turns - t.turn, 1.0)
+        # What a coordinator knows: the turns a trajectory has done and for how long its
+        # tool has run, not its sampled future. Turns left (the current one included; in
+        # env, those after the tool): their expectation given the turns done; tool time
+        # left: the mean less the time spent (at least 0).
+        remaining = turns_left[t.turn] if t.turn < len(turns_left) else 1.0
         env_s = 0.0
         if t.phase is TrajPhase.ENV:
-            remaining = max(remaining - 1.0, 1.0)
             env_s = max(mean_env_s - (now_s - t.env_started_s), 0.0)
         return TrajectoryProgress.model_construct(
             traj_id=t.traj_id,
@@ -194,3 +223,8 @@ def trajectory_stream(
                     prompt, spec.new_tokens, spec.output_tokens, spec.tool_latency_s
                 )
             yield spec
+
+
+def _sd(total: float, total_sq: float, n: int) -> float:
+    mean = total / n
+    return float(np.sqrt(max(total_sq / n - mean * mean, 0.0)))

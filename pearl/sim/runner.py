@@ -28,12 +28,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
 from pearl.core.decide import decide
-from pearl.core.decision import Decision
+from pearl.core.decision import BorrowKind, Decision
 from pearl.core.observation import (
     AllocationEnded,
     AllocationGranted,
@@ -52,6 +52,7 @@ from pearl.core.workload import TrajPhase
 from pearl.logschema import (
     AllocationChanged,
     BatchCompleted,
+    BorrowChanged,
     DecisionMade,
     Record,
     RunEnded,
@@ -71,7 +72,7 @@ from pearl.sim.rollout import Rollout, Trajectory
 from pearl.sim.scenario import Scenario
 from pearl.sim.slurm import SlurmEvent, SlurmModel
 from pearl.sim.timeline import P_ARRIVE, P_DECIDE, P_SLURM, P_STEP, P_TRAIN, Follow
-from pearl.sim.trajectories import TrajectoryModel, mean_turns, means
+from pearl.sim.trajectories import TrajectoryModel, means, turns_left_table
 
 Sink = Callable[[Record], None]
 
@@ -84,6 +85,13 @@ class RunInputs:
     windows: tuple[Window, ...]  # elastic availability in run time (already clipped)
     seed: int
     decision_interval_s: float = 60.0
+
+
+_LOGGED_BORROWS: dict[BorrowKind, Literal["lend", "return", "force_return"]] = {
+    BorrowKind.LEND: "lend",
+    BorrowKind.RETURN: "return",
+    BorrowKind.FORCE_RETURN: "force_return",
+}
 
 
 def trajectory_rng(seed: int) -> np.random.Generator:
@@ -106,7 +114,7 @@ class Simulation:
             sc.rollout.max_context_tokens,
             means(inputs.trajectory_model).env_latency_s,
         )
-        self.mean_turns = mean_turns(inputs.trajectory_model)
+        self.turns_left = turns_left_table(inputs.trajectory_model)
         el = sc.elastic
         self.slurm = SlurmModel.from_windows(
             inputs.windows,
@@ -127,6 +135,7 @@ class Simulation:
         self.needs_since_s: float | None = None
         self.pending_events: list[Event] = []
         self.dead_nodes: set[str] = set()
+        self._returning_logged: float | None = None  # lent_at_s of the window logged
         self.plan: PlanExecution | None = None
         self.decide_after_plan = False
         self.next_decision_s = 0.0
@@ -155,7 +164,7 @@ class Simulation:
 
     def run(self, progress: Callable[[float], None] | None = None) -> RunMetrics:
         sc = self.inputs.scenario
-        self._log(
+        self.log(
             RunStarted.model_construct(
                 t=0.0,
                 run_id=f"{sc.name}-{self.policy.name}-{self.inputs.seed}",
@@ -178,13 +187,13 @@ class Simulation:
             self.loop.run(self._handle, until_s=t)
             if progress is not None:
                 progress(t / self.duration_s)
-        self._log(RunEnded.model_construct(t=self.duration_s, reason="duration reached"))
+        self.log(RunEnded.model_construct(t=self.duration_s, reason="duration reached"))
         return self._metrics()
 
     def _handle(self, event: tuple[Any, ...], now_s: float) -> Follow:
         return self.handlers[event[0]](now_s, *event[1:])
 
-    def _log(self, record: Record) -> None:
+    def log(self, record: Record) -> None:
         if self.sink is not None:
             self.sink(record)
 
@@ -204,6 +213,10 @@ class Simulation:
     def _on_step(self, now_s: float, inst: Instance) -> Follow:
         if self.fleet.instances.get(inst.worker_id) is not inst or inst.busy_until_s != now_s:
             return []  # the instance was removed mid-step
+        return self._step_outcome(inst) + self._kick(inst, now_s)
+
+    def _step_outcome(self, inst: Instance) -> Follow:
+        """The finished turns and prefill handoffs of the instance's step in flight."""
         start_s = inst.step_started_s
         result = self.fleet.end_step(inst)
         out: Follow = []
@@ -213,8 +226,17 @@ class Simulation:
         for f in result.finished:
             traj = self.rollout.in_flight[f.request.traj_id]
             out += self._turn_done(traj, start_s + f.finish_offset_s, inst.weights_version)
-        out += self._kick(inst, now_s)
         return out
+
+    def take_off(self, worker_id: str, now_s: float) -> Follow:
+        """The instance leaves the fleet. Its step in flight completes (the engine has
+        already retired what it finishes: dropping it would lose those turns), and every
+        request left on it continues elsewhere with the tokens it generated."""
+        inst = self.fleet.instances.get(worker_id)
+        if inst is None:
+            return []
+        out = self._step_outcome(inst) if inst.busy_until_s is not None else []
+        return out + self.resubmit(self.fleet.remove(worker_id), now_s, inst.weights_version)
 
     def _send_handoff(
         self, traj: Trajectory, h: KvHandoff, src: Instance, ready_s: float
@@ -236,7 +258,7 @@ class Simulation:
         if tool_end_s is not None:
             return self._submit(traj, tool_end_s)
         batch = self.rollout.finish(traj, at_s)
-        self._log(
+        self.log(
             TrajectoryFinished.model_construct(
                 t=at_s,
                 traj_id=traj.traj_id,
@@ -248,7 +270,7 @@ class Simulation:
         )
         self._check_predictions(at_s)
         if batch.completed_s is not None:
-            self._log(
+            self.log(
                 BatchCompleted.model_construct(
                     t=at_s,
                     batch_id=batch.batch_id,
@@ -323,22 +345,22 @@ class Simulation:
         self.policy.on_train_step(waited_s)
         self.needs_since_s = None
         self.training = True
-        self._log(
+        return [
+            (now_s + self.train_step_s, ("train_done", now_s, waited_s), P_TRAIN),
+            (now_s, ("decide", "trainer started an update"), P_DECIDE),
+        ]
+
+    def _on_train_done(self, now_s: float, started_s: float, waited_s: float) -> Follow:
+        self.training = False
+        self.log(
             TrainStep.model_construct(
                 t=now_s,
                 step=self.train_steps,
-                started_t=now_s,
+                started_t=started_s,
                 policy_version=self.version + 1,
                 waited_for_gpus_s=waited_s,
             )
         )
-        return [
-            (now_s + self.train_step_s, ("train_done",), P_TRAIN),
-            (now_s, ("decide", "trainer started an update"), P_DECIDE),
-        ]
-
-    def _on_train_done(self, now_s: float) -> Follow:
-        self.training = False
         self.train_steps += 1
         self.next_batch += 1
         self.version += 1
@@ -358,6 +380,8 @@ class Simulation:
     def trainer_gpus_changed(self, now_s: float, delta: int) -> Follow:
         self.trainer_present += delta
         self.lent_clock.add(now_s, -delta)
+        if delta > 0 and self.trainer_present == self.trainer_gpus:
+            self.log(BorrowChanged.model_construct(t=now_s, kind="returned", gpu_ids=()))
         return self._maybe_train(now_s) if delta > 0 else []
 
     # --- Slurm ---------------------------------------------------------------------------
@@ -389,7 +413,7 @@ class Simulation:
             self.elastic_clock.add(now_s, -job.num_gpus)
             out += self.kill_nodes({n.name for n in job.nodes}, now_s)
             out += self._on_eligible(now_s)
-        self._log(
+        self.log(
             AllocationChanged.model_construct(
                 t=now_s,
                 allocation_id=job.allocation_id,
@@ -410,7 +434,7 @@ class Simulation:
         out: Follow = []
         for wid, inst in list(self.fleet.instances.items()):
             if inst.node in nodes:
-                out += self.resubmit(self.fleet.remove(wid), now_s, inst.weights_version)
+                out += self.take_off(wid, now_s)
         return out
 
     def _release(self, allocation_id: str, now_s: float) -> Follow:
@@ -422,7 +446,7 @@ class Simulation:
         out = self.kill_nodes({n.name for n in job.nodes}, now_s)
         self.slurm.release(allocation_id)
         self.pending_events.append(AllocationEnded(allocation_id=allocation_id, reason="released"))
-        self._log(
+        self.log(
             AllocationChanged.model_construct(
                 t=now_s,
                 allocation_id=allocation_id,
@@ -451,7 +475,7 @@ class Simulation:
                 phase=TrainerPhase.TRAINING if self.training else TrainerPhase.WAITING,
                 needs_gpus=self.needs_since_s is not None,
             ),
-            workload=self.rollout.snapshot(now_s, self.version, self.mean_turns),
+            workload=self.rollout.snapshot(now_s, self.version, self.turns_left),
         )
         self.pending_events = []
         cfg = self.policy.config(bootstrap=self.decisions == 0)
@@ -464,6 +488,7 @@ class Simulation:
             predicted_s = decision.selection.best.completion_s + plan.makespan_s
         self._note_prediction(now_s, obs.workload.num_unfinished, predicted_s)
         self._log_decision(now_s, decision)
+        self._log_borrow(now_s, decision)
         for req in decision.elastic.requests:
             out += self._request(req.gpu_type, req.num_gpus, now_s)
         releases = decision.elastic.releases
@@ -483,7 +508,7 @@ class Simulation:
         self.pending_events.append(
             AllocationPending(allocation_id=aid, gpu_type=gpu_type, num_gpus=num_gpus)
         )
-        self._log(
+        self.log(
             AllocationChanged.model_construct(
                 t=now_s,
                 allocation_id=aid,
@@ -513,7 +538,7 @@ class Simulation:
         if self.sink is None:
             return
         fin = [d.current.completion_s, d.selection.best.completion_s]
-        self._log(
+        self.log(
             DecisionMade.model_construct(
                 t=now_s,
                 policy=self.policy.name,
@@ -531,12 +556,34 @@ class Simulation:
             )
         )
 
+    def _log_borrow(self, now_s: float, d: Decision) -> None:
+        kind = _LOGGED_BORROWS.get(d.borrow.kind)
+        if kind is None:
+            return
+        window = d.state.borrow
+        if kind != "lend" and (window is None or self._returning_logged == window.lent_at_s):
+            return  # a return already logged, repeated while under way
+        if kind != "lend" and window is not None:
+            self._returning_logged = window.lent_at_s
+        by_s = d.borrow.return_by_s
+        self.log(
+            BorrowChanged.model_construct(
+                t=now_s,
+                kind=kind,
+                gpu_ids=d.borrow.gpu_ids,
+                return_by_t=by_s if by_s is not None and math.isfinite(by_s) else None,
+            )
+        )
+
     # --- predictor accuracy --------------------------------------------------------------
 
     def _note_prediction(self, now_s: float, num_unfinished: int, predicted_s: float) -> None:
         if num_unfinished and math.isfinite(predicted_s):
             last = self.rollout.num_started + self.rollout.startable(self.version) - 1
             self.predictions.append((now_s, last, predicted_s))
+            for batch in self.rollout.batches.values():  # its duration, as first predicted
+                if batch.predicted_s is None and batch.started_s is not None:
+                    batch.predicted_s = now_s + predicted_s - batch.started_s
 
     def _check_predictions(self, now_s: float) -> None:
         first_unfinished = next(iter(self.rollout.in_flight.values()), None)

@@ -45,6 +45,7 @@ match ``means(model)``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -119,6 +120,26 @@ def fit_trajectory_model(
 def mean_turns(model: TrajectoryModel) -> float:
     """Exact mean of the sampled number of turns."""
     return 1.0 + (float(np.mean(model.turns_observed)) - 1.0) * model.turns_factor
+
+
+def turns_left_table(model: TrajectoryModel) -> tuple[float, ...]:
+    """``E[T - k | T > k]`` for k = 0 .. max(T) - 1: the turns a trajectory that has
+    done ``k`` turns can expect to have left, from the exact distribution of sampled
+    turn counts (what a coordinator knows of its task from earlier runs)."""
+    probs: dict[int, float] = {}
+    weight = 1.0 / len(model.turns_observed)
+    for observed in model.turns_observed:
+        extra = (observed - 1) * model.turns_factor
+        whole = math.floor(extra)
+        for turns, p in ((1 + whole, 1.0 - (extra - whole)), (2 + whole, extra - whole)):
+            if p > 0:
+                probs[turns] = probs.get(turns, 0.0) + weight * p
+    table = []
+    for k in range(max(probs)):
+        beyond = {t: p for t, p in probs.items() if t > k}
+        mass = sum(beyond.values())
+        table.append(sum((t - k) * p for t, p in beyond.items()) / mass)
+    return tuple(table)
 
 
 def means(model: TrajectoryModel) -> WorkloadDefaults:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -236,3 +237,61 @@ def test_a_request_that_can_never_fit_is_refused() -> None:
     engine = make_engine(capacity_tokens=1024)
     with pytest.raises(ValueError, match="never fit"):
         engine.submit(Request("r", "t", context_tokens=1000, output_tokens=100))
+
+
+def test_multi_step_calls_end_at_the_step_ends_and_track_the_output() -> None:
+    decode = engine_profile().decode
+    engine = make_engine()
+    engine.submit(Request("r", "t", context_tokens=1000, output_tokens=300))
+    engine.step()  # the prefill
+    ends_s = np.cumsum(decode.step_s(1, 1000 + np.arange(300)))
+    # a bound exactly at the end of the fifth step includes it, and no more
+    five = engine.step(4096, float(ends_s[4]))
+    assert (five.num_steps, five.duration_s, five.finished) == (5, float(ends_s[4]), ())
+    assert engine.num_generated("r") == 5
+    # a bound short of the first step still runs one
+    one = engine.step(4096, 0.0)
+    assert (one.num_steps, one.duration_s) == (1, float(decode.step_s(1, 1005)))
+    assert engine.num_generated("r") == 6
+    # many steps at once: the same sums as one step after another
+    rest = engine.step(4096)
+    later_s = np.cumsum(decode.step_s(1, 1006 + np.arange(294)))
+    assert (rest.num_steps, rest.duration_s) == (294, float(later_s[-1]))
+    assert [f.request.request_id for f in rest.finished] == ["r"] and not engine.has_work
+    assert engine.cached_tokens("t") == (1300 // BLOCK_TOKENS) * BLOCK_TOKENS
+
+
+def test_abort_after_multi_step_decodes_returns_every_token_and_frees_the_blocks() -> None:
+    engine = make_engine()
+    engine.submit(Request("a", "ta", context_tokens=500, output_tokens=100))
+    engine.submit(Request("b", "tb", context_tokens=700, output_tokens=100))
+    engine.step()
+    assert engine.step(7).num_steps == 7
+    assert engine.step(30).num_steps == 30
+    assert (engine.num_generated("a"), engine.num_generated("b")) == (37, 37)
+    blocks_b = -(-(700 + 37) // BLOCK_TOKENS)
+    assert engine.kv.num_held_blocks == -(-(500 + 37) // BLOCK_TOKENS) + blocks_b
+    partial = engine.abort("a")
+    assert partial is not None and partial.num_generated_tokens == 37
+    assert engine.kv.num_held_blocks == blocks_b
+    assert engine.cached_tokens("ta") == ((500 + 37) // BLOCK_TOKENS) * BLOCK_TOKENS
+    assert engine.step(20).num_steps == 20
+    taken = engine.abort_all()
+    assert [(p.request.request_id, p.num_generated_tokens) for p in taken] == [("b", 57)]
+    assert engine.cached_tokens("tb") == ((700 + 57) // BLOCK_TOKENS) * BLOCK_TOKENS
+    assert engine.kv.num_held_blocks == 0 and not engine.has_work
+
+
+@pytest.mark.parametrize("max_steps", [1, 4096])
+def test_requests_finishing_in_one_step_are_reported_oldest_first(max_steps: int) -> None:
+    engine = make_engine()
+    engine.submit(Request("old", "t0", context_tokens=300, output_tokens=16))
+    for _ in range(6):  # the prefill and 5 tokens
+        engine.step()
+    engine.submit(Request("new", "t1", context_tokens=20, output_tokens=10))
+    engine.submit(Request("newer", "t2", context_tokens=40, output_tokens=10))
+    engine.step()  # old decodes its 6th token while the others prefill: 10 left each
+    results = run_to_end(engine, max_steps)
+    finished = [[f.request.request_id for f in r.finished] for r in results if r.finished]
+    assert finished == [["old", "new", "newer"]]
+    assert sum(r.num_steps for r in results) == 10

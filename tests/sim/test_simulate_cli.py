@@ -1,0 +1,118 @@
+"""``pearl simulate`` end to end on a small scenario: JSON on stdout, summary, logs, errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import sim_fixtures as F
+import yaml
+from sim_traces import traces_or_skip
+
+from pearl.cli.main import main
+from pearl.io.runlog import ReadStats, read_records
+from pearl.sim.policies import REPORTED
+from pearl.sim.report import runs_needed
+
+ENTRY_KEYS = {
+    "throughput_traj_per_h",
+    "tokens_per_s",
+    "train_steps_per_h",
+    "gpu_hours",
+    "traj_per_gpu_hour",
+    "batch_time_s",
+    "transitions",
+    "max_trainer_wait_s",
+    "oracle_fraction",
+}
+
+
+def _scenario_file(tmp_path: Path, **changes: object) -> Path:
+    doc = F.scenario_dict(elastic=True, batch=16)
+    doc.update(changes)
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(doc), encoding="utf-8")
+    return path
+
+
+def test_simulate_json_summary_and_logs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    traces_or_skip()
+    scenario = _scenario_file(tmp_path)
+    out = tmp_path / "out"
+    argv = ["simulate", str(scenario), "--seeds", "1", "--duration-s", "300"]
+    code = main([*argv, "--out", str(out), "--json"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    lines = captured.out.strip().splitlines()
+    assert len(lines) == 1  # one JSON object and nothing else
+    result = json.loads(lines[0])
+    assert result["scenario"] == "tiny"
+    assert list(result["policies"]) == list(REPORTED)
+    for name, entry in result["policies"].items():
+        if name == "oracle":
+            assert entry["oracle_fraction"] == 1.0 and entry["throughput_traj_per_h"] > 0
+            continue
+        assert set(entry) >= ENTRY_KEYS, name
+        assert set(entry["gpu_hours"]) >= {"base", "borrowed", "elastic"}
+        assert set(entry["batch_time_s"]) >= {"mean", "p99"}
+        # base GPU-hours: 16 GPUs for 300 s
+        assert entry["gpu_hours"]["base"] == pytest.approx(16 * 300 / 3600)
+        assert 0.0 <= entry["oracle_fraction"] <= 1.0
+        assert entry["throughput_traj_per_h"] > 0
+
+    summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
+    assert summary["policies"] == result["policies"]
+    assert summary["duration_s"] == 300.0 and summary["seeds"] == 1
+    for name in runs_needed(list(REPORTED)):
+        log = out / name / "seed0.jsonl"
+        stats = ReadStats()
+        records = list(read_records(log, stats))
+        assert stats.records == stats.lines > 2, name
+        assert (stats.malformed, stats.unknown_type, stats.other_version, stats.invalid) == (
+            0,
+            0,
+            0,
+            0,
+        )
+        assert records[0].type == "run_started" and records[0].policy == name
+        assert records[-1].type == "run_ended" and records[-1].t == 300.0
+        finished = sum(1 for r in records if r.type == "trajectory_finished")
+        assert finished == summary["runs"][name][0]["trajectories"]
+
+
+def test_unknown_policy_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    scenario = _scenario_file(tmp_path)
+    code = main(["simulate", str(scenario), "--policies", "nope", "--out", str(tmp_path)])
+    captured = capsys.readouterr()
+    assert code == 2
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and "--policies" in err[0] and "nope" in err[0]
+    assert captured.out == ""
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [({"duration_s": -5}, "duration_s"), ({"surprise": 1}, "surprise")],
+)
+def test_a_bad_scenario_field_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], changes: dict[str, object], field: str
+) -> None:
+    scenario = _scenario_file(tmp_path, **changes)
+    code = main(["simulate", str(scenario), "--out", str(tmp_path / "out"), "--json"])
+    captured = capsys.readouterr()
+    assert code == 2
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and str(scenario) in err[0] and field in err[0]
+    assert captured.out == ""
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--seeds", "0"), ("--duration-s", "-1")])
+def test_bad_numbers_on_the_command_line_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str, value: str
+) -> None:
+    scenario = _scenario_file(tmp_path)
+    code = main(["simulate", str(scenario), flag, value, "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and flag in err[0]
