@@ -22,7 +22,8 @@ spots in ``docs/predictor.md``):
 4. ``completion_s = max(fluid, critical path)``; the critical path is the longest
    remaining trajectory served alone (N = 1, batch 1, no contention), or, when the
    workload's turn statistics carry spreads, the expected slowest of its n trajectories
-   (``_straggler_s``: gamma-distributed remaining times, quantile n / (n + 1)).
+   (``_straggler_s``: gamma-distributed remaining times, quantile n / (n + 1); the later
+   of it served alone and the fluid completion plus its excess over the mean).
 
 ``prepare`` (module ``prepared``) does the per-workload work once. ``predict_prepared_many``
 then solves every configuration at once: arrays have the configuration as their first
@@ -190,7 +191,8 @@ def _predict_groups(w: PreparedWorkload, g: EngineGroups) -> list[Prediction]:
     critical += w.alone_overrun_s
     critical_s = np.maximum(critical.max(axis=1), max(w.env_tail_s, 0.0))
     if w.spread is not None and w.num_trajectories > 1:
-        critical_s = np.maximum(critical_s, _straggler_s(w, w.spread, critical, alone))
+        slowest_s, excess_s = _straggler_s(w, w.spread, critical, alone)
+        critical_s = np.maximum(critical_s, np.maximum(slowest_s, fluid_s + excess_s))
 
     # The bottleneck: the binding term of the most fluid time (sums in segment order).
     num_configs, num_codes = len(r), len(BOUND_NAMES)
@@ -235,7 +237,9 @@ def _predict_groups(w: PreparedWorkload, g: EngineGroups) -> list[Prediction]:
 _STRAGGLER_CANDIDATES = 8  # longest mean paths per configuration given a spread
 
 
-def _straggler_s(w: PreparedWorkload, spread: TurnStats, critical: F64, alone: Cycle) -> F64:
+def _straggler_s(
+    w: PreparedWorkload, spread: TurnStats, critical: F64, alone: Cycle
+) -> tuple[F64, F64]:
     """Expected time of the slowest unfinished trajectory (the batch's straggler).
 
     A critical-path candidate's mean path ``mu`` (its column of ``critical``) is what one
@@ -245,8 +249,12 @@ def _straggler_s(w: PreparedWorkload, spread: TurnStats, critical: F64, alone: C
     spread of the turns left. The ``n`` trajectories with at least ``R`` turns left are
     taken as independent gamma variables with that mean and variance (a sum of
     long-tailed turns is right-skewed; a lognormal overshoots the maximum of many, a
-    normal undershoots it), and their slowest as the quantile ``n / (n + 1)``. The
-    straggler is the largest over the ``_STRAGGLER_CANDIDATES`` longest candidates.
+    normal undershoots it), and their slowest as the quantile ``n / (n + 1)``.
+
+    Returns, per configuration, the largest quantile over the ``_STRAGGLER_CANDIDATES``
+    longest candidates (served alone throughout) and the largest excess of a quantile
+    over its mean, which the caller adds to the fluid completion (the straggler runs
+    loaded with the batch, then alone in the drained tail).
     """
     assert w.alone_at_least is not None
     o = w.turn.output_tokens
@@ -263,8 +271,8 @@ def _straggler_s(w: PreparedWorkload, spread: TurnStats, critical: F64, alone: C
     n = w.alone_at_least[cols]
     shape = mu**2 / np.maximum(var, 1e-300)
     quantile = (var / mu) * gammaincinv(np.maximum(shape, 1e-9), n / (n + 1.0))
-    out: F64 = np.where(var > 0, quantile, mu).max(axis=1)
-    return out
+    slowest = np.where(var > 0, quantile, mu)
+    return slowest.max(axis=1), (slowest - mu).max(axis=1)
 
 
 _BREAKDOWN_FLOATS = tuple(f.name for f in fields(PredictionBreakdown))[:-2]  # then the counts

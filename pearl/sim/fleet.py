@@ -97,6 +97,11 @@ class Fleet:
             return ()
         return inst.engine.abort_all()
 
+    def accepts(self, inst: Instance) -> bool:
+        """The instance is still in the fleet (not one that left under the same worker id,
+        as a switch does) and takes requests."""
+        return self.instances.get(inst.worker_id) is inst and inst.worker_id in self.accepting
+
     def entry_ids(self) -> list[str]:
         """Accepting instances a new turn may start on."""
         has_decode = any(self.instances[w].role is Role.DECODE for w in self.accepting)

@@ -293,7 +293,7 @@ class Simulation:
         traj = self.rollout.in_flight[req.traj_id]
         if inst is not None:
             self.fleet.arrive(inst)
-        if inst is None or inst.worker_id not in self.fleet.accepting:
+        if inst is None or not self.fleet.accepts(inst):
             if req.kv_ready_tokens:  # its KV went to an instance that left: start over
                 return self._submit(traj, now_s)
             inst = self.fleet.route(req)

@@ -43,7 +43,8 @@ def test_without_spreads_the_prediction_is_the_mean_critical_path() -> None:
 
 def test_the_straggler_is_the_gamma_quantile_of_the_remaining_time() -> None:
     """One position, n trajectories: mean path mu (the critical path without spreads),
-    variance from the per-turn spreads, quantile n / (n + 1) of a gamma."""
+    variance from the per-turn spreads, quantile n / (n + 1) of a gamma; the straggler
+    is that quantile, or the loaded fluid time plus its excess over mu if later."""
     profile = make_profile()
     n, turns = 512, 4.0
     base = predict(workload(n, turns, spread=False), CONFIG, profile)
@@ -55,10 +56,22 @@ def test_the_straggler_is_the_gamma_quantile_of_the_remaining_time() -> None:
     cycle_s = (mu + E) / turns  # R turns, the last without its env step
     var = turns * ((decode_s / OUT) ** 2 * SPREAD["output_tokens_sd"] ** 2 + 6.0**2)
     var += (SPREAD["turns_cv"] * turns * cycle_s) ** 2
-    expected = gamma.ppf(n / (n + 1), mu**2 / var, scale=var / mu)
+    slowest = gamma.ppf(n / (n + 1), mu**2 / var, scale=var / mu)
+    expected = max(slowest, base.breakdown.fluid_s + slowest - mu)
     got = predict(workload(n, turns), CONFIG, profile).breakdown.critical_path_s
     assert prepared.num_trajectories == 1
+    assert base.breakdown.fluid_s > mu  # 512 trajectories on 64 instances: loaded
     assert got == pytest.approx(expected, rel=1e-6)
+
+
+def test_more_gpus_shorten_the_loaded_straggler() -> None:
+    """The straggler runs with the batch until the batch drains: more instances make the
+    loaded part shorter, so the prediction (unlike the alone path) depends on them."""
+    profile = make_profile()
+    work = workload(2048)
+    small = PDConfig.of({InstanceSpec(Role.COLOCATED, "h100", 1): 16})
+    times = [predict(work, c, profile).completion_s for c in (small, CONFIG)]
+    assert times[1] < times[0]
 
 
 @pytest.mark.parametrize("field", sorted(SPREAD))

@@ -249,3 +249,19 @@ def test_batch_completed_carries_the_prediction() -> None:
     completed = F.of_type(r.records, "batch_completed")
     assert completed
     assert all(c.predicted_s is not None for c in completed)
+
+
+def test_a_request_bound_for_an_instance_that_switched_goes_elsewhere() -> None:
+    """A switch takes an instance off and brings one back under the same worker id: a
+    turn in flight to the old one must not reach its (draining, gone) engine."""
+    from pearl.core.roles import Role
+    from pearl.io.documents import load_profile
+    from pearl.sim.fleet import Fleet
+
+    fleet = Fleet(load_profile("qwen3-8b"))
+    old = fleet.add("e0", Role.COLOCATED, "h20", "n0", 1, 0)
+    fleet.stop_accepting("e0")
+    fleet.remove("e0")
+    new = fleet.add("e0", Role.PREFILL, "h20", "n0", 1, 0)
+    assert not fleet.accepts(old)
+    assert fleet.accepts(new)
