@@ -84,7 +84,7 @@ class PlanExecution:
 
     def _alive(self, step: PlanStep) -> bool:
         gpus = self.sim.state.gpu_by_id
-        return all(g in gpus for g in step.gpu_ids) and not self.sim.is_dead(step.node)
+        return all(g in gpus for g in step.gpu_ids) and step.node not in self.sim.elastic.dead_nodes
 
     def _start(self, step: PlanStep, now_s: float) -> Follow:
         sim, fleet = self.sim, self.sim.fleet

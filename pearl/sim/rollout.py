@@ -44,6 +44,11 @@ class Trajectory:
     min_version: int = 1 << 30
     num_requests: int = 0
 
+    @property
+    def index(self) -> int:
+        """Position in the run's stream (trajectories start in this order)."""
+        return int(self.traj_id[1:])
+
     def next_request(self) -> Request:
         self.num_requests += 1
         rid = f"{self.traj_id}.{self.turn}.{self.num_requests}"

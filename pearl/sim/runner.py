@@ -28,19 +28,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
 from pearl.core.decide import decide
-from pearl.core.decision import BorrowKind, Decision
 from pearl.core.observation import (
-    AllocationEnded,
-    AllocationGranted,
-    AllocationPending,
-    AllocationPreempting,
-    Event,
-    GrantedNode,
     Observation,
     TrainerPhase,
     TrainerStatus,
@@ -50,27 +43,27 @@ from pearl.core.roles import GpuSource
 from pearl.core.state import ClusterState
 from pearl.core.workload import TrajPhase
 from pearl.logschema import (
-    AllocationChanged,
     BatchCompleted,
     BorrowChanged,
-    DecisionMade,
     Record,
     RunEnded,
     RunStarted,
     TrainStep,
     TrajectoryFinished,
 )
+from pearl.sim.allocations import ElasticAllocations
 from pearl.sim.availability import Window
 from pearl.sim.cluster import initial_state, synced
 from pearl.sim.engine import KvHandoff, PartialOutput, Request, kv_transfer_s
 from pearl.sim.events import EventLoop
 from pearl.sim.execution import PlanExecution
 from pearl.sim.fleet import Fleet, Instance, handoff_request
+from pearl.sim.journal import BorrowJournal, PredictionLedger, decision_record
 from pearl.sim.metrics import GpuClock, RunMetrics
 from pearl.sim.policies import SimPolicy
 from pearl.sim.rollout import Rollout, Trajectory
 from pearl.sim.scenario import Scenario
-from pearl.sim.slurm import SlurmEvent, SlurmModel
+from pearl.sim.slurm import SlurmModel
 from pearl.sim.timeline import P_ARRIVE, P_DECIDE, P_SLURM, P_STEP, P_TRAIN, Follow
 from pearl.sim.trajectories import TrajectoryModel, means, turns_left_table
 
@@ -85,13 +78,6 @@ class RunInputs:
     windows: tuple[Window, ...]  # elastic availability in run time (already clipped)
     seed: int
     decision_interval_s: float = 60.0
-
-
-_LOGGED_BORROWS: dict[BorrowKind, Literal["lend", "return", "force_return"]] = {
-    BorrowKind.LEND: "lend",
-    BorrowKind.RETURN: "return",
-    BorrowKind.FORCE_RETURN: "force_return",
-}
 
 
 def trajectory_rng(seed: int) -> np.random.Generator:
@@ -116,13 +102,14 @@ class Simulation:
         )
         self.turns_left = turns_left_table(inputs.trajectory_model)
         el = sc.elastic
-        self.slurm = SlurmModel.from_windows(
+        slurm = SlurmModel.from_windows(
             inputs.windows,
             queue_delay_median_s=el.queue_delay_median_s,
             queue_delay_sigma=el.queue_delay_sigma,
             grace_s=el.grace_s,
             rng=np.random.default_rng(np.random.SeedSequence(inputs.seed).spawn(2)[1]),
         )
+        self.elastic = ElasticAllocations(slurm, self.take_off_nodes, self.log)
         self.loop: EventLoop[tuple[Any, ...]] = EventLoop()
         self.fleet = Fleet(self.profile)
         self.state: ClusterState = initial_state(sc)
@@ -133,28 +120,24 @@ class Simulation:
         self.training = False
         self.next_batch = 0
         self.needs_since_s: float | None = None
-        self.pending_events: list[Event] = []
-        self.dead_nodes: set[str] = set()
-        self._returning_logged: float | None = None  # lent_at_s of the window logged
         self.plan: PlanExecution | None = None
         self.decide_after_plan = False
         self.next_decision_s = 0.0
-        self.num_allocations = 0
-        self.elastic_clock, self.lent_clock = GpuClock(), GpuClock()
+        self.lent_clock = GpuClock()
         self.max_wait_s = 0.0
         self.train_steps = 0
         self.transitions = 0
         self.decisions = 0
-        self.predictions: list[tuple[float, int, float]] = []  # (t, last traj index, predicted)
-        self.prediction_pairs: list[tuple[float, float]] = []
+        self.ledger = PredictionLedger()
+        self.borrows = BorrowJournal()
         self.handlers: dict[str, Callable[..., Follow]] = {
             "begin": self._start_trajectories,
             "step": self._on_step,
             "arrive": self._on_arrive,
             "kick": self._on_kick,
             "unpark": self.unpark,
-            "slurm": self._on_slurm,
-            "eligible": self._on_eligible,
+            "slurm": self.elastic.on_slurm,
+            "eligible": self.elastic.on_eligible,
             "plan": self._on_plan,
             "train_done": self._on_train_done,
             "decide": self._on_decide,
@@ -175,9 +158,8 @@ class Simulation:
                 profile=sc.profile,
             )
         )
-        for t in self.slurm.wakeups():
-            if t < self.duration_s:
-                self.loop.schedule(t, ("eligible",), P_SLURM)
+        for t in self.elastic.retry_times(self.duration_s):
+            self.loop.schedule(t, ("eligible",), P_SLURM)
         self.loop.schedule(0.0, ("begin",), P_ARRIVE)
         self.loop.schedule(0.0, ("decide", "start"), P_DECIDE)
         step_s = self.duration_s / 100
@@ -228,6 +210,13 @@ class Simulation:
             out += self._turn_done(traj, start_s + f.finish_offset_s, inst.weights_version)
         return out
 
+    def take_off_nodes(self, nodes: set[str], now_s: float) -> Follow:
+        out: Follow = []
+        for wid, inst in list(self.fleet.instances.items()):
+            if inst.node in nodes:
+                out += self.take_off(wid, now_s)
+        return out
+
     def take_off(self, worker_id: str, now_s: float) -> Follow:
         """The instance leaves the fleet. Its step in flight completes (the engine has
         already retired what it finishes: dropping it would lose those turns), and every
@@ -268,7 +257,8 @@ class Simulation:
                 min_policy_version=traj.min_version,
             )
         )
-        self._check_predictions(at_s)
+        first = next(iter(self.rollout.in_flight.values()), None)
+        self.ledger.finished_below(at_s, first.index if first else self.rollout.num_started)
         if batch.completed_s is not None:
             self.log(
                 BatchCompleted.model_construct(
@@ -384,80 +374,6 @@ class Simulation:
             self.log(BorrowChanged.model_construct(t=now_s, kind="returned", gpu_ids=()))
         return self._maybe_train(now_s) if delta > 0 else []
 
-    # --- Slurm ---------------------------------------------------------------------------
-
-    def _on_eligible(self, now_s: float) -> Follow:
-        return [(ev.time_s, ("slurm", ev), P_SLURM) for ev in self.slurm.schedule(now_s)]
-
-    def _on_slurm(self, now_s: float, ev: SlurmEvent) -> Follow:
-        if not self.slurm.apply(ev):
-            return []
-        job = self.slurm.jobs[ev.allocation_id]
-        out: Follow = []
-        if ev.kind == "granted":
-            nodes = tuple(
-                GrantedNode(node=n.name, gpu_type=n.gpu_type, num_gpus=8) for n in job.nodes
-            )
-            self.pending_events.append(
-                AllocationGranted(allocation_id=job.allocation_id, nodes=nodes, end_by_s=None)
-            )
-            self.elastic_clock.add(now_s, job.num_gpus)
-        elif ev.kind == "preempting":
-            self.pending_events.append(
-                AllocationPreempting(allocation_id=job.allocation_id, deadline_s=job.ends_s)
-            )
-        else:
-            self.pending_events.append(
-                AllocationEnded(allocation_id=job.allocation_id, reason="reclaimed")
-            )
-            self.elastic_clock.add(now_s, -job.num_gpus)
-            out += self.kill_nodes({n.name for n in job.nodes}, now_s)
-            out += self._on_eligible(now_s)
-        self.log(
-            AllocationChanged.model_construct(
-                t=now_s,
-                allocation_id=job.allocation_id,
-                status=ev.kind,
-                gpu_type=job.gpu_type,
-                num_gpus=job.num_gpus,
-                reason="",
-            )
-        )
-        out.append((now_s, ("decide", f"allocation {ev.kind}"), P_DECIDE))
-        return out
-
-    def is_dead(self, node: str) -> bool:
-        return node in self.dead_nodes
-
-    def kill_nodes(self, nodes: set[str], now_s: float) -> Follow:
-        self.dead_nodes |= nodes
-        out: Follow = []
-        for wid, inst in list(self.fleet.instances.items()):
-            if inst.node in nodes:
-                out += self.take_off(wid, now_s)
-        return out
-
-    def _release(self, allocation_id: str, now_s: float) -> Follow:
-        job = self.slurm.jobs.get(allocation_id)
-        if job is None or job.status == "ended":
-            return []
-        if job.status in ("granted", "preempting"):
-            self.elastic_clock.add(now_s, -job.num_gpus)
-        out = self.kill_nodes({n.name for n in job.nodes}, now_s)
-        self.slurm.release(allocation_id)
-        self.pending_events.append(AllocationEnded(allocation_id=allocation_id, reason="released"))
-        self.log(
-            AllocationChanged.model_construct(
-                t=now_s,
-                allocation_id=allocation_id,
-                status="released",
-                gpu_type=job.gpu_type,
-                num_gpus=job.num_gpus,
-                reason="policy",
-            )
-        )
-        return out + self._on_eligible(now_s)
-
     # --- decisions and plans -------------------------------------------------------------
 
     def _on_decide(self, now_s: float, why: str) -> Follow:
@@ -470,14 +386,13 @@ class Simulation:
         self.next_decision_s = now_s + self.inputs.decision_interval_s
         out.append((self.next_decision_s, ("decide", "tick"), P_DECIDE))
         obs = Observation(
-            events=tuple(self.pending_events),
+            events=self.elastic.take_events(),
             trainer=TrainerStatus(
                 phase=TrainerPhase.TRAINING if self.training else TrainerPhase.WAITING,
                 needs_gpus=self.needs_since_s is not None,
             ),
             workload=self.rollout.snapshot(now_s, self.version, self.turns_left),
         )
-        self.pending_events = []
         cfg = self.policy.config(bootstrap=self.decisions == 0)
         decision = decide(self.state, obs, cfg, self.profile, now_s)
         self.decisions += 1
@@ -487,10 +402,13 @@ class Simulation:
         if not plan.empty:
             predicted_s = decision.selection.best.completion_s + plan.makespan_s
         self._note_prediction(now_s, obs.workload.num_unfinished, predicted_s)
-        self._log_decision(now_s, decision)
-        self._log_borrow(now_s, decision)
+        if self.sink is not None:
+            self.log(decision_record(now_s, self.policy.name, decision))
+            borrow = self.borrows.record(now_s, decision)
+            if borrow is not None:
+                self.log(borrow)
         for req in decision.elastic.requests:
-            out += self._request(req.gpu_type, req.num_gpus, now_s)
+            out += self.elastic.request(req.gpu_type, req.num_gpus, now_s)
         releases = decision.elastic.releases
         if not plan.empty:
             self.transitions += 1
@@ -498,27 +416,8 @@ class Simulation:
             out += self.plan.begin(now_s)
         else:
             for a in releases:
-                out += self._release(a, now_s)
+                out += self.elastic.release(a, now_s)
         return out
-
-    def _request(self, gpu_type: str, num_gpus: int, now_s: float) -> Follow:
-        self.num_allocations += 1
-        aid = f"el{self.num_allocations:04d}"
-        eligible_s = self.slurm.submit(now_s, aid, gpu_type, num_gpus)
-        self.pending_events.append(
-            AllocationPending(allocation_id=aid, gpu_type=gpu_type, num_gpus=num_gpus)
-        )
-        self.log(
-            AllocationChanged.model_construct(
-                t=now_s,
-                allocation_id=aid,
-                status="requested",
-                gpu_type=gpu_type,
-                num_gpus=num_gpus,
-                reason="",
-            )
-        )
-        return [(eligible_s, ("eligible",), P_SLURM)]
 
     def _on_plan(self, now_s: float, what: str, index: int) -> Follow:
         assert self.plan is not None
@@ -526,7 +425,7 @@ class Simulation:
         if self.plan.done:
             self.state = self.plan.final_state
             for a in self.plan.releases:
-                out += self._release(a, now_s)
+                out += self.elastic.release(a, now_s)
             self.plan = None
             out += self._maybe_train(now_s)
             if self.decide_after_plan:
@@ -534,65 +433,14 @@ class Simulation:
                 out.append((now_s, ("decide", "after plan"), P_DECIDE))
         return out
 
-    def _log_decision(self, now_s: float, d: Decision) -> None:
-        if self.sink is None:
-            return
-        fin = [d.current.completion_s, d.selection.best.completion_s]
-        self.log(
-            DecisionMade.model_construct(
-                t=now_s,
-                policy=self.policy.name,
-                pd_mode=d.plan.target.config.mode.value,
-                target=d.plan.target.config.label(),
-                switch=d.switch.switch,
-                mandatory=d.switch.mandatory,
-                predicted_current_s=fin[0] if math.isfinite(fin[0]) else None,
-                predicted_target_s=fin[1] if math.isfinite(fin[1]) else None,
-                transition_s=d.plan.makespan_s,
-                num_steps=len(d.plan.steps),
-                borrow=d.borrow.kind.value,
-                num_elastic_requests=len(d.elastic.requests),
-                reasons=d.reasons,
-            )
-        )
-
-    def _log_borrow(self, now_s: float, d: Decision) -> None:
-        kind = _LOGGED_BORROWS.get(d.borrow.kind)
-        if kind is None:
-            return
-        window = d.state.borrow
-        if kind != "lend" and (window is None or self._returning_logged == window.lent_at_s):
-            return  # a return already logged, repeated while under way
-        if kind != "lend" and window is not None:
-            self._returning_logged = window.lent_at_s
-        by_s = d.borrow.return_by_s
-        self.log(
-            BorrowChanged.model_construct(
-                t=now_s,
-                kind=kind,
-                gpu_ids=d.borrow.gpu_ids,
-                return_by_t=by_s if by_s is not None and math.isfinite(by_s) else None,
-            )
-        )
-
-    # --- predictor accuracy --------------------------------------------------------------
-
     def _note_prediction(self, now_s: float, num_unfinished: int, predicted_s: float) -> None:
-        if num_unfinished and math.isfinite(predicted_s):
-            last = self.rollout.num_started + self.rollout.startable(self.version) - 1
-            self.predictions.append((now_s, last, predicted_s))
-            for batch in self.rollout.batches.values():  # its duration, as first predicted
-                if batch.predicted_s is None and batch.started_s is not None:
-                    batch.predicted_s = now_s + predicted_s - batch.started_s
-
-    def _check_predictions(self, now_s: float) -> None:
-        first_unfinished = next(iter(self.rollout.in_flight.values()), None)
-        done_below = (
-            int(first_unfinished.traj_id[1:]) if first_unfinished else self.rollout.num_started
-        )
-        while self.predictions and self.predictions[0][1] < done_below:
-            t, _, predicted_s = self.predictions.pop(0)
-            self.prediction_pairs.append((predicted_s, now_s - t))
+        if not num_unfinished or not math.isfinite(predicted_s):
+            return
+        last = self.rollout.num_started + self.rollout.startable(self.version) - 1
+        self.ledger.note(now_s, last, predicted_s)
+        for batch in self.rollout.batches.values():  # its duration, as first predicted
+            if batch.predicted_s is None and batch.started_s is not None:
+                batch.predicted_s = now_s + predicted_s - batch.started_s
 
     # --- the result ----------------------------------------------------------------------
 
@@ -613,13 +461,13 @@ class Simulation:
             train_steps=self.train_steps,
             gpu_hours_base=self.inputs.scenario.base_gpus * end_s / 3600,
             gpu_hours_borrowed=self.lent_clock.total_s(end_s) / 3600,
-            gpu_hours_elastic=self.elastic_clock.total_s(end_s) / 3600,
+            gpu_hours_elastic=self.elastic.clock.total_s(end_s) / 3600,
             batch_times_s=tuple(batches),
             transitions=self.transitions,
             max_trainer_wait_s=self.max_wait_s,
             decisions=self.decisions,
             events=self.loop.num_processed,
-            predictions=tuple(self.prediction_pairs),
+            predictions=tuple(self.ledger.pairs),
         )
 
 
