@@ -391,7 +391,7 @@ class Simulation:
                 phase=TrainerPhase.TRAINING if self.training else TrainerPhase.WAITING,
                 needs_gpus=self.needs_since_s is not None,
             ),
-            workload=self.rollout.snapshot(now_s, self.version, self.turns_left),
+            workload=self.rollout.snapshot(now_s, self._version_soon(), self.turns_left),
         )
         cfg = self.policy.config(bootstrap=self.decisions == 0)
         decision = decide(self.state, obs, cfg, self.profile, now_s)
@@ -433,10 +433,16 @@ class Simulation:
                 out.append((now_s, ("decide", "after plan"), P_DECIDE))
         return out
 
+    def _version_soon(self) -> int:
+        """The weights' version once a running update ends: the batch it unlocks is about
+        to start, and its load is part of what the engines face (a coordinator knows the
+        update's end time)."""
+        return self.version + 1 if self.training else self.version
+
     def _note_prediction(self, now_s: float, num_unfinished: int, predicted_s: float) -> None:
         if not num_unfinished or not math.isfinite(predicted_s):
             return
-        last = self.rollout.num_started + self.rollout.startable(self.version) - 1
+        last = self.rollout.num_started + self.rollout.startable(self._version_soon()) - 1
         self.ledger.note(now_s, last, predicted_s)
         for batch in self.rollout.batches.values():  # its duration, as first predicted
             if batch.predicted_s is None and batch.started_s is not None:

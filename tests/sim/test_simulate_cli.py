@@ -116,3 +116,28 @@ def test_bad_numbers_on_the_command_line_exit_2(
     code = main(["simulate", str(scenario), flag, value, "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and flag in err[0]
+
+
+def test_bench_predictor_reports_the_error_of_every_decision(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    traces_or_skip()
+    scenario = _scenario_file(tmp_path)
+    code = main(["bench", "predictor", str(scenario), "--duration-s", "600", "--json"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    result = json.loads(captured.out)
+    assert result["n"] > 0
+    assert 0.0 <= result["mape"] < 10.0
+    assert result["scenario"] == "tiny"
+
+
+def test_bench_sim_reports_speed(capsys: pytest.CaptureFixture[str]) -> None:
+    traces_or_skip()
+    code = main(["bench", "sim", "--gpus", "32", "--sim-hours", "0.02", "--json"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    result = json.loads(captured.out)
+    assert result["gpus"] == 32 and result["sim_hours"] == 0.02
+    assert result["wall_s"] > 0 and result["events_per_s"] > 0
+    assert main(["bench", "sim", "--gpus", "8", "--json"]) == 2
