@@ -1,8 +1,9 @@
 """One simulated run: the event loop that drives ``pearl.core.decide()`` on a virtual clock.
 
 The same decision code as the coordinator's runs here; the simulator plays everything
-around it: the engines (``fleet``), the trajectories (``rollout``), Slurm (``slurm``),
-the trainer, and the execution of transition plans step by step (``execution``).
+around it: the engines (``fleet``), the trajectories (``rollout``), Slurm (``slurm``,
+``allocations``), the trainer, and the execution of transition plans step by step
+(``execution``).
 
 Loop (each event returns its follow-ups; ties break by priority, then schedule order):
 
