@@ -9,6 +9,7 @@ averaged over the seeds.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -105,7 +106,14 @@ def table(result: Mapping[str, Mapping[str, Any]]) -> str:
     head = "| " + " | ".join(c[0] for c in COLUMNS) + " |"
     rule = "|" + "|".join("---" for _ in COLUMNS) + "|"
     rows = [
-        "| " + " | ".join(fmt.format(get(name, entry)) for _, fmt, get in COLUMNS) + " |"
+        "| " + " | ".join(_cell(fmt, get(name, entry)) for _, fmt, get in COLUMNS) + " |"
         for name, entry in result.items()
     ]
     return "\n".join([head, rule, *rows])
+
+
+def _cell(fmt: str, value: Any) -> str:
+    """A figure, or an empty cell where there is none (the oracle has no tokens/s)."""
+    if isinstance(value, float) and math.isnan(value):
+        return ""
+    return fmt.format(value)
