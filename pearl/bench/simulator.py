@@ -101,8 +101,8 @@ def bench_sim(gpus: int = 256, sim_hours: float = 24.0) -> dict[str, Any]:
         else scenario.base_gpus,
         "sim_hours": sim_hours,
         "wall_s": wall_s,
-        "events_per_s": metrics.events / wall_s,
-        "events": metrics.events,
+        "events_per_s": metrics.num_events / wall_s,
+        "events": metrics.num_events,
         "trajectories": metrics.trajectories,
         "projected_wall_s_for_24_sim_hours": wall_s * 24.0 / sim_hours,
     }

@@ -129,7 +129,7 @@ def _run_entry(m: RunMetrics) -> dict[str, Any]:
         trajectories=m.trajectories,
         unfinished=m.unfinished,
         decisions=m.decisions,
-        events=m.events,
+        events=m.num_events,
     )
     return entry
 

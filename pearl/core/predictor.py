@@ -265,7 +265,7 @@ def _straggler_s(
     turns = w.alone.remaining_turns[cols]
     tau_s = alone.decode_s[rows, cols] / o
     cycle_s = alone.cycle_s[rows, cols]
-    sd_o, sd_e = spread.output_tokens_sd or 0.0, spread.env_latency_sd or 0.0
+    sd_o, sd_e = spread.output_tokens_sd or 0.0, spread.env_latency_sd_s or 0.0
     cv_r = spread.turns_cv or 0.0
     var = turns * (tau_s**2 * sd_o**2 + sd_e**2) + (cv_r * turns * cycle_s) ** 2
     n = w.alone_at_least[cols]

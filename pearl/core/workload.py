@@ -54,14 +54,16 @@ class TurnStats(Frozen):
     observation_tokens_per_turn: NonNegFloat
     env_latency_s: NonNegFloat
     output_tokens_sd: NonNegFloat | None = Field(None, description="Per-turn output spread.")
-    env_latency_sd: NonNegFloat | None = Field(None, description="Per-turn env latency spread.")
+    env_latency_sd_s: NonNegFloat | None = Field(None, description="Per-turn env latency spread.")
     turns_cv: NonNegFloat | None = Field(
-        None, description="Relative spread (sd / mean) of a trajectory's turns left."
+        None,
+        description="Relative spread (sd / mean) of turns per trajectory; the predictor "
+        "applies it to the turns left.",
     )
 
     @property
     def has_spread(self) -> bool:
-        return None not in (self.output_tokens_sd, self.env_latency_sd, self.turns_cv)
+        return None not in (self.output_tokens_sd, self.env_latency_sd_s, self.turns_cv)
 
 
 class WorkloadSnapshot(Frozen):

@@ -36,7 +36,7 @@ class ElasticAllocations:
     ) -> None:
         self.slurm, self.take_off_nodes, self.log = slurm, take_off_nodes, log
         self.clock = GpuClock()  # elastic GPUs held
-        self.dead_nodes: set[str] = set()  # nodes reclaimed or released during the run
+        self.dead_nodes: set[str] = set()  # nodes reclaimed or released, not granted since
         self._events: list[Event] = []
         self._num_requests = 0
 
@@ -74,7 +74,8 @@ class ElasticAllocations:
             self._events.append(
                 AllocationGranted(allocation_id=job.allocation_id, nodes=nodes, end_by_s=None)
             )
-            self.clock.add(now_s, job.num_gpus)
+            self.dead_nodes -= {n.name for n in job.nodes}  # a node may be granted again
+            self.clock.add(now_s, _gpus(job))
         elif ev.kind == "preempting":
             self._events.append(
                 AllocationPreempting(allocation_id=job.allocation_id, deadline_s=job.ends_s)
@@ -83,7 +84,7 @@ class ElasticAllocations:
             self._events.append(
                 AllocationEnded(allocation_id=job.allocation_id, reason="reclaimed")
             )
-            self.clock.add(now_s, -job.num_gpus)
+            self.clock.add(now_s, -_gpus(job))
             out += self._kill(job, now_s)
             out += self.on_eligible(now_s)
         self._log(now_s, job.allocation_id, ev.kind, job.gpu_type, job.num_gpus)
@@ -95,7 +96,7 @@ class ElasticAllocations:
         if job is None or job.status == "ended":
             return []
         if job.status in ("granted", "preempting"):
-            self.clock.add(now_s, -job.num_gpus)
+            self.clock.add(now_s, -_gpus(job))
         out = self._kill(job, now_s)
         self.slurm.release(allocation_id)
         self._events.append(AllocationEnded(allocation_id=allocation_id, reason="released"))
@@ -120,3 +121,8 @@ class ElasticAllocations:
                 reason=reason,
             )
         )
+
+
+def _gpus(job: Job) -> int:
+    """GPUs held: Slurm grants whole nodes."""
+    return len(job.nodes) * GPUS_PER_NODE

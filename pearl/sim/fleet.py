@@ -1,9 +1,10 @@
 """The inference instances of a simulated run and the router in front of them.
 
 Each instance wraps one ``EngineModel`` (per request, per scheduler step) and runs one
-step at a time on the simulator's clock: ``start_steps`` asks every idle instance with
-work for its next step, the caller schedules the step's end, and ``end_step`` turns the
-step's results into finished turns and KV handoffs. Nothing here keeps a clock or a heap.
+step at a time on the simulator's clock: ``start_step`` runs an idle instance's next
+step (the engine computes it at once), the caller schedules the step's end, and
+``end_step`` hands over its results (finished turns, KV handoffs). Nothing here keeps a
+clock or a heap.
 
 Routing (a vLLM router with prefix affinity): a turn goes to the instance that served
 the trajectory's previous turn while that instance accepts requests and has none queued
@@ -18,15 +19,15 @@ transfer), so arrivals are admitted at the step boundary vLLM would admit them a
 request routed to it during a step waits for the step to end, as in vLLM.
 
 Invariants: a request is in exactly one place (an engine, in flight to one, or parked);
-``take_all`` and ``remove`` return every request an instance holds, with the tokens it
-generated, so a caller can route their continuations (nothing is lost).
+``remove`` (and ``stop_accepting`` for the queued ones) returns every request an
+instance holds, with the tokens it generated, so a caller can route their continuations;
+the caller hands on a step in flight first (``Simulation.take_off``): nothing is lost.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from pearl.core.profile import RuntimeProfile
@@ -163,9 +164,6 @@ class Fleet:
         assert result is not None and inst.busy_until_s is not None
         inst.result, inst.busy_until_s = None, None
         return result
-
-    def idle_with_work(self) -> Iterable[Instance]:
-        return (i for i in self.instances.values() if i.busy_until_s is None and i.engine.has_work)
 
 
 def handoff_request(h: KvHandoff, request_id: str) -> Request:

@@ -48,7 +48,7 @@ class RunMetrics:
     transitions: int  # executed non-empty transition plans
     max_trainer_wait_s: float  # longest wait of the trainer for its lent GPUs
     decisions: int
-    events: int
+    num_events: int
     predictions: tuple[tuple[float, float], ...] = field(default=())  # (predicted, actual)
 
     @property

@@ -8,8 +8,8 @@ smaller:
 1. **Critical path.** Trajectory ``j`` cannot finish before its batch may start plus its
    own shortest possible time: every tool latency (exact), every turn's prefill at the
    fastest engine of the profile with nothing else batched (``a + b n``, attention
-   ignored) and every output token at the fastest decode step of a batch of one with no
-   context (``step_s(1, 0)``). Batches ``0..k`` start no earlier than the cheapest way to
+   ignored) and every output token at the fastest decode step of any batch size with
+   no context. Batches ``0..k`` start no earlier than the cheapest way to
    have an engine (a cold start, or the trainer's offload and a wake); batch ``b > k``
    starts no earlier than batch ``b - k - 1``'s bound plus one training step, since the
    update that consumes it must finish first. Every term is a lower bound of what any
@@ -67,7 +67,10 @@ def oracle_bound(
     types = {c.trainer.gpu_type, c.rollout.gpu_type} | {w.gpu_type for w in windows}
     engines = _engines(profile, types)
     batch_sizes = np.arange(1, max(e.max_num_seqs for e in engines) + 1)
-    decode_token_s = min(float(e.decode.step_s(1, 0)) for e in engines)
+    # The fastest step of any batch size (a profile need not make it batch 1's).
+    decode_token_s = min(
+        float(np.min(e.decode.step_s(batch_sizes[: e.max_num_seqs], 0))) for e in engines
+    )
     decode_gpu_s = min(
         float(
             np.min(
@@ -81,7 +84,8 @@ def oracle_bound(
     prefill_gpu_s = min(e.tp * e.prefill.b_s_per_token for e in engines)
     costs = profile.costs
     first_engine_s = min(costs.engine_cold_start_s, costs.trainer_offload_s + costs.wake_s)
-    train_s = scenario.training.train_step_s or costs.train_step_s
+    step_s = scenario.training.train_step_s
+    train_s = step_s if step_s is not None else costs.train_step_s
     B, k = scenario.rollout.batch_trajectories, scenario.rollout.staleness_versions
 
     def own_s(spec: TrajectorySpec) -> float:

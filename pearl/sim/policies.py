@@ -14,19 +14,18 @@ configuration whatever the switching rule (``bootstrap``): the job has just star
   requests migrated when the batch is ready); no cost model.
 - ``rlboost-plus``: RLBoost carried to this setting: colocated only, every elastic GPU it
   can get (instances pull weights when they join, requests migrate on preemption), and
-  its feedback controller of the local rollout budget: the share of the trainer's nodes
-  lent between updates grows by one node after an update the trainer did not wait for
-  and halves after one it waited for (AIMD).
-- ``static-pd-colocated`` / ``static-pd-disaggregated``: the base rollout GPUs held in one
-  PD mode, its ratio chosen by the predictor at the start; ``static-pd`` reports the
-  better of the two for each seed (the best static mode in hindsight).
+  its feedback controller of the local rollout budget: the trainer's nodes lent between
+  updates start at one, halve after an update the trainer waited for longer than half
+  of ``max_return_delay_s``, and grow by one after any other (AIMD).
+- ``static-pd-disaggregated``: the base rollout GPUs held disaggregated, the ratio chosen
+  by the predictor at the start; ``static-pd`` reports, for each seed, the better of it
+  and ``roll-fixed`` (the same held colocated), the best static mode in hindsight
+  (``pearl.sim.report``).
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pearl.core.config import PolicyConfig
 
@@ -35,14 +34,15 @@ from pearl.core.config import PolicyConfig
 class SimPolicy:
     name: str
     base: PolicyConfig
-    controller: Callable[[SimPolicy, float], None] | None = None
-    lend_fraction: float = 1.0
-    history: list[float] = field(default_factory=list)  # the trainer's waits
+    trainer_nodes: int = 1
+    lent_nodes: int | None = None  # RLBoost's local budget; None: the config's share
+    adaptive: bool = False  # the AIMD controller moves ``lent_nodes``
 
     def config(self, bootstrap: bool = False) -> PolicyConfig:
         cfg = self.base
-        if self.lend_fraction != cfg.borrowing.lend_fraction:
-            borrowing = cfg.borrowing.model_copy(update={"lend_fraction": self.lend_fraction})
+        if self.lent_nodes is not None:
+            share = self.lent_nodes / self.trainer_nodes
+            borrowing = cfg.borrowing.model_copy(update={"lend_fraction": share})
             cfg = cfg.model_copy(update={"borrowing": borrowing})
         if bootstrap:
             switching = cfg.switching.model_copy(update={"rule": "always"})
@@ -50,9 +50,14 @@ class SimPolicy:
         return cfg
 
     def on_train_step(self, waited_s: float) -> None:
-        self.history.append(waited_s)
-        if self.controller is not None:
-            self.controller(self, waited_s)
+        """RLBoost's feedback on the local rollout budget: halve the lent nodes after an
+        update the trainer waited for (over half of ``max_return_delay_s``), else add one."""
+        if not self.adaptive or self.lent_nodes is None:
+            return
+        if waited_s > self.base.borrowing.max_return_delay_s / 2:
+            self.lent_nodes = max(1, self.lent_nodes // 2)
+        else:
+            self.lent_nodes = min(self.trainer_nodes, self.lent_nodes + 1)
 
 
 def _fixed(
@@ -69,15 +74,6 @@ def _fixed(
     )
 
 
-def _aimd(policy: SimPolicy, waited_s: float, num_nodes: int) -> None:
-    """RLBoost's local-budget feedback: back off when the trainer waited, else grow."""
-    step = 1.0 / num_nodes
-    if waited_s > policy.base.borrowing.max_return_delay_s / 2:
-        policy.lend_fraction = max(step, math.floor(policy.lend_fraction * num_nodes / 2) * step)
-    else:
-        policy.lend_fraction = min(1.0, policy.lend_fraction + step)
-
-
 def make_policy(name: str, pearl: PolicyConfig, trainer_nodes: int) -> SimPolicy:
     """A fresh policy object (controllers keep state, so one per run)."""
     if name == "pearl":
@@ -88,12 +84,7 @@ def make_policy(name: str, pearl: PolicyConfig, trainer_nodes: int) -> SimPolicy
         return SimPolicy(name, _fixed(pearl, "colocated", borrowing="always"))
     if name == "rlboost-plus":
         cfg = _fixed(pearl, "colocated", borrowing="always", elastic="greedy")
-        return SimPolicy(
-            name,
-            cfg,
-            controller=lambda p, w: _aimd(p, w, trainer_nodes),
-            lend_fraction=1.0 / trainer_nodes,
-        )
+        return SimPolicy(name, cfg, trainer_nodes, lent_nodes=1, adaptive=True)
     if name.startswith("static-pd-"):
         return SimPolicy(name, _fixed(pearl, name.removeprefix("static-pd-")))
     raise KeyError(name)
@@ -104,7 +95,6 @@ RUN_POLICIES = (
     "roll-fixed",
     "roll-partial",
     "rlboost-plus",
-    "static-pd-colocated",
-    "static-pd-disaggregated",
+    "static-pd-disaggregated",  # static-pd's colocated mode is roll-fixed
 )
 REPORTED = ("pearl", "roll-fixed", "roll-partial", "rlboost-plus", "static-pd", "oracle")

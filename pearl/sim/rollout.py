@@ -8,7 +8,7 @@ with k = 1 one batch is generated ahead of the update that will consume it (ROLL
 
 A turn is one request: its prompt is the context so far (prompt, every earlier output
 and every observation up to this turn), its output the turn's sampled length. A request
-taken off an instance (drain, migration, preemption) continues elsewhere as a new request
+taken off an instance (drain, migration, a reclaimed node) continues elsewhere as a new request
 whose prompt includes the tokens generated so far: nothing is lost or generated twice.
 
 Invariants: every started trajectory is finished or still tracked here (``in_flight``);
@@ -72,7 +72,7 @@ class Rollout:
     model: TrajectoryModel
     rng: np.random.Generator
     batch_size: int
-    staleness: int
+    staleness_versions: int
     initial_version: int
     max_context_tokens: int
     mean_env_s: float  # the model's mean tool latency, until the run has observed some
@@ -94,7 +94,7 @@ class Rollout:
 
     def startable(self, engine_version: int) -> int:
         """How many more trajectories may start with the engines at ``engine_version``."""
-        last_batch = engine_version - self.initial_version + self.staleness
+        last_batch = engine_version - self.initial_version + self.staleness_versions
         return max(0, (last_batch + 1) * self.batch_size - self.num_started)
 
     def start(self, now_s: float) -> Trajectory:
@@ -180,7 +180,7 @@ class Rollout:
             output_tokens_sd=_sd(self.sum_output_tokens, self.sumsq_output_tokens, n)
             if spread
             else None,
-            env_latency_sd=_sd(self.sum_env_s, self.sumsq_env_s, self.env_steps)
+            env_latency_sd_s=_sd(self.sum_env_s, self.sumsq_env_s, self.env_steps)
             if spread
             else None,
             turns_cv=_sd(self.sum_turns, self.sumsq_turns, self.num_finished)
@@ -209,9 +209,6 @@ class Rollout:
             turn_output_tokens=t.generated_tokens,
             env_remaining_s=env_s,
         )
-
-    def unfinished(self) -> Iterator[Trajectory]:
-        return iter(self.in_flight.values())
 
 
 def trajectory_stream(

@@ -20,12 +20,18 @@ Loop (each event returns its follow-ups; ties break by priority, then schedule o
   change of the trainer's phase; while a plan runs they wait for its end (one plan at a
   time, as the coordinator executes them).
 
-Determinism: one seeded generator per concern (trajectories, Slurm), handed in through
-``RunInputs``; no wall clock. Same inputs, same run, bit for bit.
+Engine calls never run past the next control event (a plan step, a Slurm event, the
+end of an update, a decision; ``horizon_s``), except for the one step a call always
+runs: an instance taken off or paused has finished its step in flight by then, up to
+that one step.
+
+Determinism: one generator per concern (trajectories, Slurm), built from
+``RunInputs.seed``; no wall clock. Same inputs, same run, bit for bit.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -69,6 +75,8 @@ from pearl.sim.timeline import P_ARRIVE, P_DECIDE, P_SLURM, P_STEP, P_TRAIN, Fol
 from pearl.sim.trajectories import TrajectoryModel, means, turns_left_table
 
 Sink = Callable[[Record], None]
+# Events that may take an instance off, pause it or change its weights.
+_CONTROL_EVENTS = frozenset({"plan", "train_done", "slurm", "decide"})
 
 
 @dataclass(frozen=True)
@@ -115,7 +123,8 @@ class Simulation:
         self.fleet = Fleet(self.profile)
         self.state: ClusterState = initial_state(sc)
         self.version = sc.rollout.initial_policy_version
-        self.train_step_s = sc.training.train_step_s or self.profile.costs.train_step_s
+        step_s = sc.training.train_step_s
+        self.train_step_s = step_s if step_s is not None else self.profile.costs.train_step_s
         self.trainer_gpus = sum(1 for g in self.state.gpus if g.source is GpuSource.BASE_TRAIN)
         self.trainer_present = self.trainer_gpus
         self.training = False
@@ -124,6 +133,7 @@ class Simulation:
         self.plan: PlanExecution | None = None
         self.decide_after_plan = False
         self.next_decision_s = 0.0
+        self.control_times: list[float] = []  # heap: see horizon_s
         self.lent_clock = GpuClock()
         self.max_wait_s = 0.0
         self.train_steps = 0
@@ -174,7 +184,19 @@ class Simulation:
         return self._metrics()
 
     def _handle(self, event: tuple[Any, ...], now_s: float) -> Follow:
-        return self.handlers[event[0]](now_s, *event[1:])
+        out = self.handlers[event[0]](now_s, *event[1:])
+        for time_s, ev, _ in out:
+            if ev[0] in _CONTROL_EVENTS:
+                heapq.heappush(self.control_times, time_s)
+        return out
+
+    def horizon_s(self, now_s: float) -> float:
+        """The next time anything may take an instance off, pause it or change its
+        weights: a step in flight must not run past it (engine calls stop there)."""
+        times = self.control_times
+        while times and times[0] < now_s:
+            heapq.heappop(times)
+        return times[0] if times else math.inf
 
     def log(self, record: Record) -> None:
         if self.sink is not None:
@@ -183,7 +205,7 @@ class Simulation:
     # --- engines -------------------------------------------------------------------------
 
     def _kick(self, inst: Instance, now_s: float) -> Follow:
-        end_s = self.fleet.start_step(inst, now_s, self.next_decision_s)
+        end_s = self.fleet.start_step(inst, now_s, self.horizon_s(now_s))
         if end_s is None:
             return []
         return [(end_s, ("step", inst), P_STEP)]
@@ -358,11 +380,12 @@ class Simulation:
         self.state = synced(self.state, self.version)
         out: Follow = []
         if self.inputs.scenario.training.weight_sync_every_update:
-            pause_s = now_s + self.profile.costs.weight_sync_s
+            sync_s = self.profile.costs.weight_sync_s
+            pause_s = now_s + sync_s
             for inst in self.fleet.instances.values():
                 inst.weights_version = self.version
-                inst.paused_until_s = pause_s
-                out.append((pause_s, ("kick", inst), P_STEP))
+                inst.paused_until_s = max(pause_s, (inst.busy_until_s or now_s) + sync_s)
+                out.append((inst.paused_until_s, ("kick", inst), P_STEP))
         out += self._start_trajectories(now_s)
         out += self._maybe_train(now_s)
         out.append((now_s, ("decide", "trainer waiting"), P_DECIDE))
@@ -372,7 +395,9 @@ class Simulation:
         self.trainer_present += delta
         self.lent_clock.add(now_s, -delta)
         if delta > 0 and self.trainer_present == self.trainer_gpus:
-            self.log(BorrowChanged.model_construct(t=now_s, kind="returned", gpu_ids=()))
+            window = self.state.borrow
+            gpu_ids = window.gpu_ids if window is not None else ()
+            self.log(BorrowChanged.model_construct(t=now_s, kind="returned", gpu_ids=gpu_ids))
         return self._maybe_train(now_s) if delta > 0 else []
 
     # --- decisions and plans -------------------------------------------------------------
@@ -473,7 +498,7 @@ class Simulation:
             transitions=self.transitions,
             max_trainer_wait_s=self.max_wait_s,
             decisions=self.decisions,
-            events=self.loop.num_processed,
+            num_events=self.loop.num_processed,
             predictions=tuple(self.ledger.pairs),
         )
 

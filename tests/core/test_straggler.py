@@ -13,7 +13,7 @@ from pearl.core.roles import Role
 from pearl.core.workload import TrajectoryProgress, TrajPhase, TurnStats, WorkloadSnapshot
 
 OUT, OBS, E = 256.0, 256.0, 2.0
-SPREAD = {"output_tokens_sd": 200.0, "env_latency_sd": 6.0, "turns_cv": 0.3}
+SPREAD = {"output_tokens_sd": 200.0, "env_latency_sd_s": 6.0, "turns_cv": 0.3}
 CONFIG = PDConfig.of({InstanceSpec(Role.COLOCATED, "h100", 1): 64})
 
 

@@ -141,7 +141,7 @@ def always_rule(ctx: DecisionContext) -> BorrowAction:
         return BorrowAction(BorrowKind.NONE, reason="no rollout work left")
     gpus = [ctx.state.gpu_by_id[g] for g in ctx.trainer_gpu_ids()]
     nodes = sorted({g.node for g in gpus})
-    share = math.ceil(ctx.cfg.borrowing.lend_fraction * len(nodes))
+    share = math.ceil(round(ctx.cfg.borrowing.lend_fraction * len(nodes), 9))  # k/n -> k
     lent = tuple(g.gpu_id for g in gpus if g.node in nodes[:share])
     if not lent:
         return BorrowAction(BorrowKind.NONE, reason="lend fraction rounds to no node")
