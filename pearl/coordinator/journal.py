@@ -1,0 +1,135 @@
+"""The coordinator's write-ahead journal: append-only JSONL, fsync'd, replayed on restart.
+
+The coordinator writes a record *before* it acts on it and another when the action is
+done, so a coordinator killed at any point can tell, on restart, what it had decided,
+what it had started and what it had finished:
+
+- ``state``: the full ``ClusterState`` after a decision (what the next decision starts
+  from);
+- ``intent``: an action about to be taken (``submit``, ``release``, ``plan``), with an id;
+- ``done``: the action with that id finished (``ok`` and an ``error`` if it failed).
+
+``replay`` reads the journal back: the last state, and the intents with no ``done``
+(the coordinator reconciles those with Slurm and the agents before carrying on). Each
+line is flushed and fsync'd before the action it announces, so a crash loses at most the
+line being written: a truncated *last* line is skipped and counted; a malformed line
+anywhere else is corruption and raises an ``InputError`` naming the file and line.
+
+Invariants: ``seq`` increases by one per record from 0; replaying a journal and
+appending to it continues the sequence; the state a replay returns is the last one
+written, validated (``ClusterState``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any, Literal
+
+from pearl.core.state import ClusterState
+from pearl.io.documents import InputError
+
+JOURNAL_VERSION = 1
+Kind = Literal["state", "intent", "done"]
+_KINDS = ("state", "intent", "done")
+
+
+@dataclass
+class Replay:
+    state: ClusterState | None = None
+    open_intents: dict[str, dict[str, Any]] = field(default_factory=dict)  # id -> intent
+    next_seq: int = 0
+    num_records: int = 0
+    truncated_tail: bool = False  # the last line was cut short (a crash while writing)
+
+
+def replay(path: Path) -> Replay:
+    """Read the journal at ``path`` (a missing file is an empty journal)."""
+    out = Replay()
+    if not path.exists():
+        return out
+    with path.open("r", encoding="utf-8") as f:
+        lines = f.read().split("\n")
+    last = len(lines) - 1 if lines and lines[-1] == "" else len(lines)
+    for number, line in enumerate(lines[:last], start=1):
+        try:
+            record = json.loads(line)
+            _check(record, out.next_seq)
+        except (json.JSONDecodeError, ValueError) as err:
+            if number == last and lines[-1] != "":
+                out.truncated_tail = True  # no newline: the write was cut short
+                break
+            raise InputError(path, f"line {number}", f"corrupt journal record: {err}") from None
+        _apply(out, record, path, number)
+    return out
+
+
+def _check(record: Any, expected_seq: int) -> None:
+    if not isinstance(record, dict):
+        raise ValueError("not a JSON object")
+    if record.get("v") != JOURNAL_VERSION:
+        raise ValueError(f"v: {record.get('v')!r} is not {JOURNAL_VERSION}")
+    if record.get("seq") != expected_seq:
+        raise ValueError(f"seq: {record.get('seq')!r}, expected {expected_seq}")
+    if record.get("kind") not in _KINDS:
+        raise ValueError(f"kind: {record.get('kind')!r} is not one of {_KINDS}")
+    if not isinstance(record.get("data"), dict):
+        raise ValueError("data: not an object")
+
+
+def _apply(out: Replay, record: dict[str, Any], path: Path, number: int) -> None:
+    data = record["data"]
+    kind = record["kind"]
+    if kind == "state":
+        try:
+            out.state = ClusterState.model_validate(data)
+        except ValueError as err:
+            raise InputError(path, f"line {number}", f"invalid state: {err}") from None
+    elif kind == "intent":
+        out.open_intents[str(data.get("id"))] = data
+    else:
+        out.open_intents.pop(str(data.get("id")), None)
+    out.next_seq += 1
+    out.num_records += 1
+
+
+class Journal:
+    """Appends records; open it after ``replay`` so the sequence continues."""
+
+    def __init__(self, path: Path, next_seq: int = 0) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path, self.seq = path, next_seq
+        self._file: IO[str] = path.open("a", encoding="utf-8")
+
+    def append(self, kind: Kind, data: dict[str, Any], t: float) -> int:
+        """Write one record and make it durable; its sequence number."""
+        record = {"v": JOURNAL_VERSION, "seq": self.seq, "t": t, "kind": kind, "data": data}
+        self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self.seq += 1
+        return self.seq - 1
+
+    def state(self, state: ClusterState, t: float) -> int:
+        return self.append("state", state.model_dump(mode="json"), t)
+
+    def intent(self, intent_id: str, action: str, t: float, **details: Any) -> int:
+        return self.append("intent", {"id": intent_id, "action": action, **details}, t)
+
+    def done(self, intent_id: str, t: float, ok: bool = True, error: str = "") -> int:
+        return self.append("done", {"id": intent_id, "ok": ok, "error": error}, t)
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+
+    def __enter__(self) -> Journal:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, err: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
