@@ -24,8 +24,10 @@ import re
 from dataclasses import dataclass
 from datetime import datetime
 
-SQUEUE_FIELDS = ("job_id", "state", "reason", "start", "nodes", "partition", "name")
-SQUEUE_FORMAT = "%i|%T|%r|%S|%N|%P|%j"  # squeue --noheader --format=...; one field each
+SQUEUE_FIELDS = (
+    "job_id", "state", "reason", "start", "nodes", "partition", "name", "end", "time_limit"
+)  # fmt: skip
+SQUEUE_FORMAT = "%i|%T|%r|%S|%N|%P|%j|%e|%l"  # squeue --noheader --format=...; one field each
 
 
 class SlurmTextError(ValueError):
@@ -64,6 +66,8 @@ class SqueueRow:
     nodes: tuple[str, ...]
     partition: str
     name: str
+    end: datetime | None  # time limit; once preempted, the end of the grace period
+    time_limit_s: float | None  # None: UNLIMITED
 
 
 _JOB_ID = re.compile(
@@ -194,6 +198,8 @@ def parse_squeue(text: str) -> list[SqueueRow]:
                     nodes=nodes,
                     partition=f["partition"],
                     name=f["name"],
+                    end=parse_time(f["end"]),
+                    time_limit_s=parse_duration_s(f["time_limit"]),
                 )
             )
         except SlurmTextError as err:

@@ -104,15 +104,18 @@ def test_host_lists() -> None:
 
 
 def test_squeue_rows() -> None:
-    assert SQUEUE_FORMAT.count("|") == 6
+    assert SQUEUE_FORMAT.count("|") == 8
     text = (
-        "101|RUNNING|None|2026-11-29T10:00:00|dev-h20-[1-2]|elastic|pearl-r1-el0001\n"
-        "102|PENDING|Priority|2026-11-29T10:05:00||elastic|pearl-r1-el0002\n"
-        "103|PENDING|Resources|N/A|(null)|elastic|pearl-r1-el0003\n"
+        "101|RUNNING|None|2026-11-29T10:00:00|dev-h20-[1-2]|elastic|pearl-r1-el0001"
+        "|2026-11-29T11:00:00|1:00:00\n"
+        "102|PENDING|Priority|2026-11-29T10:05:00||elastic|pearl-r1-el0002|N/A|UNLIMITED\n"
+        "103|PENDING|Resources|N/A|(null)|elastic|pearl-r1-el0003|N/A|10:00\n"
     )
     running, waiting, unknown = parse_squeue(text)
     assert running.nodes == ("dev-h20-1", "dev-h20-2") and running.reason is None
     assert running.start == datetime(2026, 11, 29, 10, 0)
+    assert running.end == datetime(2026, 11, 29, 11, 0) and running.time_limit_s == 3600
+    assert waiting.time_limit_s is None
     assert waiting.reason == "Priority" and waiting.nodes == ()
     assert unknown.start is None and unknown.name == "pearl-r1-el0003"
 
@@ -125,5 +128,5 @@ def test_bad_output_names_the_line_and_field() -> None:
     with pytest.raises(SlurmTextError, match="line 1: header has no JobID"):
         parse_sacct("Job|Status\n1|X\n")
     with pytest.raises(SlurmTextError, match="line 1: time"):
-        parse_squeue("1|PENDING|None|tomorrow||p|n\n")
+        parse_squeue("1|PENDING|None|tomorrow||p|n|N/A|10:00\n")
     assert parse_sacct("") == []
