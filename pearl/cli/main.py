@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from pearl.cli import bench, plan, simulate
+from pearl.cli import bench, coordinator, plan, simulate
 from pearl.io.documents import InputError
 
 
@@ -20,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_parser(sub)
     bench.add_parser(sub)
     simulate.add_parser(sub)
+    coordinator.add_parser(sub)
     return parser
 
 

@@ -1,0 +1,82 @@
+"""``pearl coordinator CONFIG``: the persistent coordinator job.
+
+Its run clock is seconds since the run first started (``RUN_DIR/run.json``), so a
+requeued coordinator continues the same clock and journal. SIGTERM or SIGUSR2 (Slurm's
+warning before preemption or the time limit) ends it after the current tick, leaving its
+elastic jobs to the next incarnation; reaching ``--max-runtime-s`` releases them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import time
+from pathlib import Path
+from types import FrameType
+
+from pearl.cluster.backend import AllocationBackend
+from pearl.cluster.local_backend import LocalBackend
+from pearl.cluster.slurm_backend import SlurmBackend
+from pearl.coordinator.config import CoordinatorConfig, load_config
+from pearl.coordinator.loop import Coordinator, workload_file
+from pearl.io.documents import load_profile
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("coordinator", help="run the persistent coordinator of a run")
+    p.add_argument("config", help="coordinator configuration (YAML or JSON)")
+    p.add_argument("--max-runtime-s", type=float, default=None, help="stop after this long")
+    p.set_defaults(run=run)
+
+
+def run_start_s(run_dir: Path) -> float:
+    """Wall time at which the run first started (written once)."""
+    path = run_dir / "run.json"
+    if path.exists():
+        return float(json.loads(path.read_text(encoding="utf-8"))["started_at_unix_s"])
+    start_s = time.time()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"started_at_unix_s": start_s}) + "\n", encoding="utf-8")
+    return start_s
+
+
+def make_backend(config: CoordinatorConfig, run_dir: Path) -> AllocationBackend:
+    if config.backend == "local":
+        return LocalBackend(run_dir / "jobs")
+    return SlurmBackend(
+        config.run_id,
+        run_dir / "jobs",
+        dict(config.gpus_per_node),
+        config.poll_interval_s,
+        qos=config.qos,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    config, run_dir = load_config(args.config)
+    profile = load_profile(config.profile, relative_to=Path(args.config).parent)
+    start_s = run_start_s(run_dir)
+    backend = make_backend(config, run_dir)
+    stopping = {"signal": 0}
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stopping["signal"] = signum
+
+    for sig in (signal.SIGTERM, signal.SIGUSR2):
+        signal.signal(sig, on_signal)
+    coordinator = Coordinator(
+        config,
+        profile,
+        run_dir,
+        backend,
+        clock=lambda: time.time() - start_s,
+        workload=workload_file(run_dir / "workload.json"),
+    )
+    try:
+        coordinator.run(args.max_runtime_s, stop=lambda: bool(stopping["signal"]))
+    finally:
+        coordinator.close()
+    if not stopping["signal"]:
+        backend.close()  # a run that ended releases its allocations; a signalled one keeps them
+    return 0

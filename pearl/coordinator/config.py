@@ -1,0 +1,117 @@
+"""The coordinator's configuration document (YAML or JSON), validated with one-line errors.
+
+It names the run, where its files live, the runtime profile, the allocation backend and
+what the cluster offers, the base job's nodes, and pearl's policy. Paths are relative to
+the configuration file. Unknown fields are rejected; every problem is ``FILE: FIELD:
+PROBLEM`` (``pearl.io.documents.InputError``), exit status 2 on the command line.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
+
+from pearl.core.config import PolicyConfig
+from pearl.core.roles import GpuSource, Phase, Role, WorkerKind
+from pearl.core.state import (
+    Allocation,
+    AllocationKind,
+    AllocationStatus,
+    ClusterState,
+    Frozen,
+    Gpu,
+    Worker,
+)
+from pearl.io.documents import load_profile, parse, read_document
+
+RunId = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", max_length=64)]
+PosInt = Annotated[int, Field(gt=0)]
+PosFloat = Annotated[float, Field(gt=0)]
+
+
+class BaseNode(Frozen):
+    name: Annotated[str, Field(min_length=1)] = Field(description="Slurm node name.")
+    gpu_type: Annotated[str, Field(min_length=1)] = Field(description="GPU type (gres type).")
+    num_gpus: PosInt = Field(description="GPUs of the node in the base job.")
+
+
+class BaseJob(Frozen):
+    trainer: tuple[BaseNode, ...] = Field(min_length=1, description="Nodes that train.")
+    rollout: tuple[BaseNode, ...] = Field((), description="Nodes that serve rollout.")
+
+
+class CoordinatorConfig(Frozen):
+    schema_version: Literal[1] = Field(description="Configuration schema version.")
+    run_id: RunId = Field(description="Tags every job and file of the run.")
+    run_dir: str = Field(description="Journal, logs and the MPI port file (shared FS).")
+    profile: Annotated[str, Field(min_length=1)] = Field(description="Runtime profile.")
+    backend: Literal["slurm", "local"] = Field(description="Where elastic jobs run.")
+    gpus_per_node: dict[str, PosInt] = Field(
+        min_length=1, description="GPUs per node of each elastic GPU type on this cluster."
+    )
+    qos: str | None = Field(None, description="Slurm QOS of elastic jobs (None: none).")
+    poll_interval_s: PosFloat = Field(5.0, description="Fewest seconds between Slurm queries.")
+    decision_interval_s: PosFloat = Field(10.0, description="Seconds between decisions.")
+    base: BaseJob = Field(description="The base job's nodes.")
+    policy: PolicyConfig = Field(PolicyConfig(), description="pearl's decision policy.")
+
+    @model_validator(mode="after")
+    def _elastic_type_offered(self) -> CoordinatorConfig:
+        wanted = self.policy.elastic.gpu_type
+        if self.policy.elastic.rule != "never" and wanted not in self.gpus_per_node:
+            known = ", ".join(sorted(self.gpus_per_node))
+            raise ValueError(
+                f"policy.elastic.gpu_type: {wanted!r} is not in gpus_per_node ({known})"
+            )
+        return self
+
+
+def load_config(path: str | Path) -> tuple[CoordinatorConfig, Path]:
+    """The validated configuration and its run directory (made absolute)."""
+    p = Path(path)
+    config = parse(CoordinatorConfig, read_document(p), p)
+    load_profile(config.profile, relative_to=p.parent, named_in=p)  # fail early if missing
+    return config, (p.parent / config.run_dir).resolve()
+
+
+def initial_state(config: CoordinatorConfig) -> ClusterState:
+    """The base job as the core sees it: one trainer per trainer node (its GPUs), the
+    rollout nodes' GPUs free for the first decision to place engines on."""
+    gpus: list[Gpu] = []
+    workers: list[Worker] = []
+    for group, source in (
+        (config.base.trainer, GpuSource.BASE_TRAIN),
+        (config.base.rollout, GpuSource.BASE_ROLLOUT),
+    ):
+        for node in group:
+            ids = tuple(f"{node.name}/{i}" for i in range(node.num_gpus))
+            gpus += [
+                Gpu(
+                    gpu_id=g,
+                    node=node.name,
+                    gpu_type=node.gpu_type,
+                    source=source,
+                    allocation_id="base",
+                )
+                for g in ids
+            ]
+            if source is GpuSource.BASE_TRAIN:
+                workers.append(
+                    Worker(
+                        worker_id=f"t-{node.name}",
+                        kind=WorkerKind.TRAINER,
+                        node=node.name,
+                        gpu_ids=ids,
+                        role=Role.TRAIN,
+                        phase=Phase.READY,
+                    )
+                )
+    base = Allocation(
+        allocation_id="base",
+        kind=AllocationKind.BASE,
+        status=AllocationStatus.GRANTED,
+        granted_at_s=0.0,
+    )
+    return ClusterState(gpus=tuple(gpus), workers=tuple(workers), allocations=(base,))

@@ -1,0 +1,138 @@
+"""The coordinator's loop: observe -> ``pearl.core.decide()`` -> journal -> act.
+
+Each tick (every ``decision_interval_s`` of the injected clock):
+
+1. observe: the allocation backend's events since the last tick, the trainer's status and
+   the rollout workload (``WorkloadSource``: until the rollout manager exists, the
+   snapshot it will write to ``run_dir/workload.json``; none means an empty batch);
+2. decide, and journal the resulting state *before* acting;
+3. act, each action announced in the journal (``intent``) and closed (``done``): elastic
+   requests are submitted, releases released, and a non-empty plan is handed to the
+   control plane. Without a control plane (``control=None``, no agents yet) a plan is
+   journalled as not executed and the state stays the observed one, so the next
+   decision plans it again.
+
+On start the loop replays the journal: the last state is the starting state, and
+submissions announced but never closed are reported (``Coordinator.unfinished``) for
+reconciliation with Slurm. The clock is injected; nothing here sleeps except ``run``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol
+
+from pearl.cluster.backend import AllocationBackend
+from pearl.coordinator.config import CoordinatorConfig, initial_state
+from pearl.coordinator.journal import Journal, replay
+from pearl.core.apply import apply_plan
+from pearl.core.decide import decide
+from pearl.core.decision import Decision
+from pearl.core.observation import Observation, TrainerStatus
+from pearl.core.plan import TransitionPlan
+from pearl.core.profile import RuntimeProfile
+from pearl.core.state import ClusterState
+from pearl.core.workload import WorkloadSnapshot
+from pearl.io.documents import parse, read_document
+
+WorkloadSource = Callable[[], WorkloadSnapshot]
+Clock = Callable[[], float]
+
+
+class ControlPlane(Protocol):
+    def execute(self, plan: TransitionPlan) -> bool:
+        """Carry out every step on the agents; True when all of them acknowledged."""
+        ...
+
+
+def workload_file(path: Path) -> WorkloadSource:
+    """The rollout manager's latest snapshot at ``path`` (empty while there is none)."""
+
+    def read() -> WorkloadSnapshot:
+        if not path.exists():
+            return WorkloadSnapshot()
+        return parse(WorkloadSnapshot, read_document(path), path)
+
+    return read
+
+
+class Coordinator:
+    def __init__(
+        self,
+        config: CoordinatorConfig,
+        profile: RuntimeProfile,
+        run_dir: Path,
+        backend: AllocationBackend,
+        clock: Clock,
+        workload: WorkloadSource,
+        control: ControlPlane | None = None,
+    ) -> None:
+        self.config, self.profile, self.backend = config, profile, backend
+        self.clock, self.workload, self.control = clock, workload, control
+        self.journal_path = run_dir / "journal.jsonl"
+        past = replay(self.journal_path)
+        self.state: ClusterState = past.state or initial_state(config)
+        self.unfinished = [i for i in past.open_intents.values() if i.get("action") == "submit"]
+        self.journal = Journal(self.journal_path, past.next_seq)
+        self._next_allocation = (
+            1
+            + sum(1 for a in self.state.allocations if a.allocation_id.startswith("el"))
+            + len(self.unfinished)
+        )
+        self.decisions = 0
+
+    def tick(self) -> Decision:
+        now_s = self.clock()
+        obs = Observation(
+            events=tuple(self.backend.poll(now_s)),
+            trainer=TrainerStatus(),
+            workload=self.workload(),
+        )
+        d = decide(self.state, obs, self.config.policy, self.profile, now_s)
+        self.decisions += 1
+        self.state = d.state
+        self.journal.state(d.state, now_s)
+        for request in d.elastic.requests:
+            aid = f"el{self._next_allocation:04d}"
+            self._next_allocation += 1
+            self.journal.intent(
+                aid,
+                "submit",
+                now_s,
+                gpu_type=request.gpu_type,
+                num_gpus=request.num_gpus,
+                partition=request.partition,
+            )
+            self.backend.submit(request, aid)
+            self.journal.done(aid, now_s)
+        for aid in d.elastic.releases:
+            intent = f"release-{aid}"
+            self.journal.intent(intent, "release", now_s, allocation_id=aid)
+            self.backend.release(aid)
+            self.journal.done(intent, now_s)
+        if not d.plan.empty:
+            intent = f"plan-{self.decisions}"
+            self.journal.intent(intent, "plan", now_s, num_steps=len(d.plan.steps))
+            if self.control is not None and self.control.execute(d.plan):
+                self.state = apply_plan(d.state, d.plan, now_s)
+                self.journal.state(self.state, now_s)
+                self.journal.done(intent, now_s)
+            else:
+                why = "no control plane" if self.control is None else "not acknowledged"
+                self.journal.done(intent, now_s, ok=False, error=why)
+        return d
+
+    def run(self, max_runtime_s: float | None = None, stop: Callable[[], bool] = bool) -> None:
+        """Tick every ``decision_interval_s`` until ``max_runtime_s`` (None: forever) or
+        until ``stop()`` (a signal handler's flag) says so."""
+        start_s = self.clock()
+        while max_runtime_s is None or self.clock() - start_s < max_runtime_s:
+            self.tick()
+            if stop():
+                return
+            time.sleep(self.config.decision_interval_s)
+
+    def close(self) -> None:
+        self.journal.close()

@@ -1,0 +1,126 @@
+"""``pearl coordinator`` as a real process on the local backend: an elastic request is
+submitted, granted and folded into the journalled state; a restarted coordinator
+resumes from its journal; a bad configuration is one clear line and exit status 2."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from pearl.cli.main import main
+from pearl.coordinator.journal import replay
+from pearl.core.state import AllocationStatus
+
+
+def _config(tmp_path: Path, **changes: object) -> Path:
+    doc: dict[str, object] = {
+        "schema_version": 1,
+        "run_id": "t1",
+        "run_dir": "run",
+        "profile": "qwen3-8b",
+        "backend": "local",
+        "gpus_per_node": {"h800": 8},
+        "decision_interval_s": 0.2,
+        "base": {
+            "trainer": [{"name": "n0", "gpu_type": "h800", "num_gpus": 8}],
+            "rollout": [{"name": "n1", "gpu_type": "h20", "num_gpus": 8}],
+        },
+        "policy": {
+            "elastic": {"rule": "greedy", "gpu_type": "h800", "max_allocations": 1},
+            "borrowing": {"rule": "never"},
+        },
+    }
+    doc.update(changes)
+    path = tmp_path / "coordinator.yaml"
+    path.write_text(yaml.safe_dump(doc), encoding="utf-8")
+    run = tmp_path / "run"
+    run.mkdir(exist_ok=True)
+    trajs = [
+        {"traj_id": f"q{i}", "phase": "queued", "context_tokens": 2000, "remaining_turns": 4}
+        for i in range(64)
+    ]
+    (run / "workload.json").write_text(json.dumps({"trajectories": trajs}), encoding="utf-8")
+    return path
+
+
+def _coordinator(config: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "pearl.cli.main", "coordinator", str(config)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _wait_for(predicate, timeout_s: float = 30.0) -> bool:  # type: ignore[no-untyped-def]
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def _granted(journal: Path) -> list[str]:
+    state = replay(journal).state
+    if state is None:
+        return []
+    return [
+        a.allocation_id
+        for a in state.allocations
+        if a.kind.value == "elastic" and a.status is AllocationStatus.GRANTED
+    ]
+
+
+def test_a_grant_reaches_the_state_and_a_restart_resumes_it(tmp_path: Path) -> None:
+    config = _config(tmp_path)
+    journal = tmp_path / "run" / "journal.jsonl"
+    proc = _coordinator(config)
+    try:
+        assert _wait_for(lambda: journal.exists() and _granted(journal) == ["el0001"]), (
+            proc.stderr.read() if proc.poll() is not None and proc.stderr else "no grant"
+        )
+        state = replay(journal).state
+        assert state is not None
+        elastic = [g for g in state.gpus if g.allocation_id == "el0001"]
+        assert len(elastic) == 8 and {g.gpu_type for g in elastic} == {"h800"}
+        proc.send_signal(signal.SIGKILL)  # no goodbye: the journal is all there is
+        proc.wait()
+        records = replay(journal).num_records
+        again = _coordinator(config)
+        try:
+            # it resumes: the same allocation, no second request (the cap is 1)
+            assert _wait_for(lambda: replay(journal).num_records > records + 2)
+            assert _granted(journal) == ["el0001"]  # from the journal, not a new request
+            assert "el0002" not in journal.read_text()
+        finally:
+            again.send_signal(signal.SIGTERM)
+            again.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        _kill_local_jobs(tmp_path / "run" / "jobs")
+
+
+def _kill_local_jobs(folder: Path) -> None:
+    """The local backend's job processes outlive a killed coordinator (as Slurm jobs do)."""
+    out = subprocess.run(["pgrep", "-f", str(folder)], capture_output=True, text=True)
+    for pid in out.stdout.split():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(pid), signal.SIGKILL)
+
+
+def test_a_bad_elastic_gpu_type_is_one_clear_line(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    config = _config(tmp_path, policy={"elastic": {"rule": "greedy", "gpu_type": "b200"}})
+    assert main(["coordinator", str(config)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1
+    assert "coordinator.yaml: policy.elastic.gpu_type: 'b200' is not in gpus_per_node" in err[0]
