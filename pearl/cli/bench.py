@@ -30,6 +30,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     sm.add_argument("--sim-hours", type=float, default=24.0, help="simulated hours")
     sm.add_argument("--json", action="store_true", help="print only the JSON object")
     sm.set_defaults(run=_run_sim)
+    ct = which.add_parser("control", help="plan round trip over the MPI control plane")
+    ct.add_argument("--agents", type=int, default=16, help="agents started on this machine")
+    ct.add_argument("--repeats", type=int, default=100, help="timed 64-step plans")
+    ct.add_argument("--json", action="store_true", help="print only the JSON object")
+    ct.set_defaults(run=_run_control)
 
 
 def _run_decide(args: argparse.Namespace) -> int:
@@ -55,3 +60,12 @@ def _run_sim(args: argparse.Namespace) -> int:
     if args.gpus < 32 or args.sim_hours <= 0:
         raise InputError("<command line>", "--gpus/--sim-hours", "need --gpus >= 32, hours > 0")
     return _print(bench_sim(args.gpus, args.sim_hours), args.json)
+
+
+def _run_control(args: argparse.Namespace) -> int:
+    if args.agents < 1 or args.repeats < 1:
+        raise InputError("<command line>", "--agents/--repeats", "need >= 1")
+    from pearl.bench.control import main  # initialises MPI in this process
+
+    argv = ["--agents", str(args.agents), "--repeats", str(args.repeats)]
+    return main([*argv, "--json"] if args.json else argv)  # exits the process (no Finalize)

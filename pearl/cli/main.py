@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from pearl.cli import bench, coordinator, plan, simulate
+from pearl.cli import agent, bench, coordinator, plan, simulate
 from pearl.io.documents import InputError
 
 
@@ -21,10 +21,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_parser(sub)
     simulate.add_parser(sub)
     coordinator.add_parser(sub)
+    agent.add_parser(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["agent"]:  # every option is the agent's own, --help included
+        return agent.run(argparse.Namespace(args=argv[1:]))
     args = build_parser().parse_args(argv)
     try:
         code: int = args.run(args)

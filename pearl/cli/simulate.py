@@ -13,6 +13,7 @@ import json
 import math
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -93,14 +94,13 @@ def run(args: argparse.Namespace) -> int:
             policy = make_policy(name, scenario.policy, scenario.cluster.trainer.nodes)
             label = f"{name} seed {seed}"
             with RunLogWriter(out / name / f"seed{seed}.jsonl", truncate=True) as log:
-                metrics = simulate(
-                    inputs, policy, log.write, lambda f, lb=label: progress.show(lb, f)
-                )
+                metrics = simulate(inputs, policy, log.write, partial(progress.show, label))
             runs[name].append(metrics)
             progress.finish_run()
-    result = {
+    comparison = compare(policies, runs, oracle, scenario.duration_s)
+    result: dict[str, Any] = {
         "scenario": scenario.name,
-        "policies": compare(policies, runs, oracle, scenario.duration_s),
+        "policies": comparison,
     }
     summary: dict[str, Any] = {
         **result,
@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         hours = scenario.duration_s / 3600
         print(f"{scenario.name}: {hours:.2f} h simulated, {seeds} seeds, mean over seeds")
-        print(table(result["policies"]))
+        print(table(comparison))
         print(f"logs and summary.json in {out}")
     return 0
 

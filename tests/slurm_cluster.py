@@ -1,4 +1,4 @@
-"""A module-scoped ``slurm/dev-cluster`` for the backend tests (a plain module, not a conftest).
+"""A module-scoped ``slurm/dev-cluster`` for tests (a plain module, not a conftest).
 
 The minimal part of ``tests/slurm/test_dev_cluster.py``'s fixture: start the cluster once
 under pytest's tmp dir on its own ports (``PORT_BASE``, away from that module's 26800 so
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "slurm" / "dev-cluster"
 GRACE_S = 10  # GraceTime of the elastic partition
 PORT_BASE = "36800"
@@ -60,8 +60,11 @@ class DevCluster:
         return "\n".join(parts)
 
 
-def dev_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevCluster]:
-    """Body of a module-scoped fixture: ``yield from dev_cluster(tmp_path_factory)``."""
+def dev_cluster(
+    tmp_path_factory: pytest.TempPathFactory, port_base: str = PORT_BASE
+) -> Iterator[DevCluster]:
+    """Body of a module-scoped fixture: ``yield from dev_cluster(tmp_path_factory)``; each
+    module that starts one passes its own ``port_base`` so clusters never share ports."""
     reason = cannot_start_reason()
     if reason is not None:
         if os.environ.get("CI"):
@@ -71,7 +74,7 @@ def dev_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevCluster
     env = dict(os.environ)
     env.update(
         PEARL_DEV_CLUSTER_DIR=str(state_dir),
-        PEARL_DEV_CLUSTER_PORT_BASE=PORT_BASE,
+        PEARL_DEV_CLUSTER_PORT_BASE=port_base,
         PEARL_DEV_CLUSTER_GRACE=str(GRACE_S),
         SLURM_CONF=str(state_dir / "etc" / "slurm.conf"),
         PATH=f"/usr/sbin:/sbin:{env.get('PATH', '/usr/bin:/bin')}",

@@ -1,0 +1,245 @@
+"""The node agent (``pearl agent``): one per allocation, the coordinator's hands on a node.
+
+It waits for the port file in the run directory, knocks (:mod:`pearl.control.rendezvous`),
+``Connect``\\ s to the coordinator's port and sends ``Hello`` with the token and its GPUs.
+Then one loop on the main thread (the only thread that calls MPI): receive commands and run
+them on a thread pool against its :class:`~pearl.control.workers.Workers`, send their acks,
+send a heartbeat every ``heartbeat_s``, and watch the coordinator's heartbeats.
+
+Preemption: SIGTERM or SIGUSR2 (Slurm's ``--signal``) -> ``Preempted(grace_s)``, stop the
+workers within part of the grace period, ``Bye("preempted")``, drop the intercommunicator,
+exit 0. A coordinator silent for ``missed_heartbeats`` intervals, or a ``Bye`` from it: stop
+the workers and exit (3 and 0). A refused ``Hello``: exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import os
+import queue
+import shlex
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from pearl.control.channel import Channel
+from pearl.control.messages import (
+    Ack,
+    Bye,
+    Command,
+    GpuInfo,
+    Heartbeat,
+    Hello,
+    Preempted,
+    ProtocolError,
+    Welcome,
+)
+from pearl.control.mpi import load_mpi
+from pearl.control.portfile import wait_port_file
+from pearl.control.rendezvous import KnockRefused, knock
+from pearl.control.workers import NullWorkers, ProcessWorkers, Workers
+
+EXIT_OK, EXIT_REFUSED, EXIT_LOST = 0, 2, 3
+
+
+class Agent:
+    def __init__(
+        self,
+        run_dir: str | Path,
+        agent_id: str,
+        node: str,
+        gpus: list[GpuInfo],
+        workers: Workers,
+        *,
+        grace_s: float = 30.0,
+        job_id: str | None = None,
+        connect_timeout_s: float = 60.0,
+    ) -> None:
+        self.run_dir, self.agent_id, self.node, self.gpus = run_dir, agent_id, node, gpus
+        self.workers, self.grace_s, self.job_id = workers, grace_s, job_id
+        self.connect_timeout_s = connect_timeout_s
+        self._signal: str | None = None
+        self._acks: queue.Queue[Ack] = queue.Queue()
+        self._pool = concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="cmd")
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        self._signal = signal.Signals(signum).name
+
+    def run(self) -> int:
+        for sig in (signal.SIGTERM, signal.SIGUSR2):
+            signal.signal(sig, self._on_signal)
+        mpi = load_mpi("funneled")
+        info = wait_port_file(self.run_dir, self.connect_timeout_s)
+        try:
+            sock = knock(info.knock_host, info.knock_port, info.token, self.agent_id)
+        except KnockRefused as e:
+            print(f"agent {self.agent_id}: refused: {e}", file=sys.stderr, flush=True)
+            return EXIT_REFUSED
+        try:
+            comm = mpi.COMM_SELF.Connect(info.port)
+        finally:
+            sock.close()
+        ch = Channel(mpi, comm)
+        ch.send(
+            Hello(
+                token=info.token,
+                agent_id=self.agent_id,
+                node=self.node,
+                gpus=tuple(self.gpus),
+                job_id=self.job_id,
+                pid=os.getpid(),
+            )
+        )
+        try:
+            return self._loop(ch)
+        finally:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            ch.close()
+
+    def _run_cmd(self, cmd: Command) -> None:
+        t0 = time.monotonic()
+        try:
+            self.workers.execute(cmd)
+            ack = Ack(cmd_id=cmd.cmd_id, ok=True, elapsed_s=time.monotonic() - t0)
+        except Exception as e:  # every failure goes back as a failed ack
+            ack = Ack(
+                cmd_id=cmd.cmd_id,
+                ok=False,
+                error=f"{type(e).__name__}: {e}",
+                elapsed_s=time.monotonic() - t0,
+            )
+        self._acks.put(ack)
+
+    def _loop(self, ch: Channel) -> int:
+        hb_s, missed = 0.5, 6
+        welcomed = False
+        last_seen = time.monotonic()
+        last_hb, seq = 0.0, 0
+        while True:
+            busy = False
+            now = time.monotonic()
+            if self._signal is not None:
+                return self._preempted(ch, self._signal)
+            try:
+                msg = ch.recv()
+            except ProtocolError as e:
+                print(f"agent {self.agent_id}: bad message: {e}", file=sys.stderr, flush=True)
+                msg = None
+            if msg is not None:
+                busy, last_seen = True, now
+                if isinstance(msg, Welcome):
+                    welcomed, hb_s, missed = True, msg.heartbeat_s, msg.missed_heartbeats
+                elif isinstance(msg, Command) and welcomed:
+                    self._pool.submit(self._run_cmd, msg)
+                elif isinstance(msg, Bye):
+                    self.workers.stop_all(min(10.0, self.grace_s))
+                    code = EXIT_OK if welcomed else EXIT_REFUSED
+                    print(f"agent {self.agent_id}: bye: {msg.reason}", file=sys.stderr, flush=True)
+                    return code
+            while not self._acks.empty():
+                ch.send(self._acks.get())
+                busy = True
+            if welcomed and now - last_hb >= hb_s:
+                ch.send(Heartbeat(seq=seq, t=time.time()))
+                last_hb, seq = now, seq + 1
+            ch.progress()
+            if ch.error or now - last_seen > hb_s * missed + (0 if welcomed else 10):
+                why = ch.error or f"no message from the coordinator for {now - last_seen:.1f} s"
+                print(
+                    f"agent {self.agent_id}: coordinator lost: {why}", file=sys.stderr, flush=True
+                )
+                self.workers.stop_all(min(10.0, self.grace_s))
+                return EXIT_LOST
+            if not busy:
+                time.sleep(0.0005)
+
+    def _preempted(self, ch: Channel, signame: str) -> int:
+        t0 = time.monotonic()
+        ch.send(Preempted(grace_s=self.grace_s, signal=signame))
+        ch.progress()
+        self.workers.stop_all(self.grace_s * 0.6)
+        ch.send(Bye(reason=f"preempted ({signame})"))
+        end = t0 + self.grace_s * 0.9
+        while not ch.progress() and time.monotonic() < end:
+            time.sleep(0.001)
+        print(
+            f"agent {self.agent_id}: preempted by {signame}, left after "
+            f"{time.monotonic() - t0:.2f} s",
+            file=sys.stderr,
+            flush=True,
+        )
+        return EXIT_OK
+
+
+def _parse_gpus(spec: str, gpu_type: str, node: str) -> tuple[list[GpuInfo], dict[str, int]]:
+    """``--gpus 0,1`` -> ids ``NODE/0``, ``NODE/1`` with local CUDA indices 0, 1."""
+    gpus, index = [], {}
+    for i, tok in enumerate(t for t in spec.split(",") if t):
+        gid = tok if "/" in tok else f"{node}/{tok}"
+        gpus.append(GpuInfo(id=gid, type=gpu_type))
+        index[gid] = i
+    return gpus, index
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="pearl agent", description=__doc__.split("\n")[0])
+    ap.add_argument("--run-dir", required=True, help="run directory holding control/port.json")
+    ap.add_argument("--agent-id", default=None, help="default: NODE-JOBID-PID")
+    ap.add_argument("--node", default=socket.gethostname())
+    ap.add_argument(
+        "--gpus",
+        default=os.environ.get("CUDA_VISIBLE_DEVICES", ""),
+        help="comma-separated local GPU indices or NODE/INDEX ids",
+    )
+    ap.add_argument("--gpu-type", default="h100")
+    ap.add_argument(
+        "--engine",
+        action="append",
+        default=[],
+        metavar="ROLE=CMD",
+        help="engine argv per role ('*' for any); {port} {role} {worker_id}",
+    )
+    ap.add_argument(
+        "--null-workers",
+        action="store_true",
+        help="record commands without launching anything (benchmarks)",
+    )
+    ap.add_argument("--grace-s", type=float, default=30.0)
+    ap.add_argument("--connect-timeout-s", type=float, default=60.0)
+    ap.add_argument("--log-dir", default=None)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    job_id = os.environ.get("SLURM_JOB_ID")
+    gpus, index = _parse_gpus(args.gpus, args.gpu_type, args.node)
+    workers: Workers
+    if args.null_workers:
+        workers = NullWorkers()
+    else:
+        cmds = {}
+        for e in args.engine:
+            role, _, cmd = e.partition("=")
+            cmds[role] = shlex.split(cmd)
+        workers = ProcessWorkers(cmds, index, log_dir=args.log_dir)
+    agent_id = args.agent_id or f"{args.node}-{job_id or 'local'}-{os.getpid()}"
+    agent = Agent(
+        args.run_dir,
+        agent_id,
+        args.node,
+        gpus,
+        workers,
+        grace_s=args.grace_s,
+        job_id=job_id,
+        connect_timeout_s=args.connect_timeout_s,
+    )
+    return agent.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

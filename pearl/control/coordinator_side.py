@@ -1,0 +1,402 @@
+"""The coordinator's end of the control plane: :class:`ControlServer`.
+
+Threads (MPI initialised with ``THREAD_MULTIPLE``):
+- *accept thread*: serves TCP knocks (:mod:`pearl.control.rendezvous`) and, for each
+  admitted one, calls ``Accept`` on the open port. ``Accept`` is only called when a peer is
+  about to ``Connect`` because a pending ``Accept`` stalls all other traffic (see
+  :mod:`pearl.control.mpi`); while it runs, liveness checks are suspended.
+- *io thread*: the only thread that touches the intercommunicators. It receives and
+  validates messages, answers ``Hello`` (token checked again, GPUs registered), sends
+  heartbeats, declares an agent dead after ``missed_heartbeats`` intervals without any
+  message from it (or when ``allocation_alive`` says its Slurm job is gone), and sends the
+  commands queued by :meth:`ControlServer.execute`.
+
+One intercommunicator per agent; nothing collective is ever called on them, and a dead
+peer's communicator is dropped locally, so losing one allocation blocks no other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import itertools
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pearl.control.channel import Channel
+from pearl.control.messages import (
+    Ack,
+    Bye,
+    Command,
+    GpuInfo,
+    Heartbeat,
+    Hello,
+    Preempted,
+    ProtocolError,
+    Welcome,
+)
+from pearl.control.mpi import load_mpi
+from pearl.control.portfile import PortInfo, new_token, remove_port_file, write_port_file
+from pearl.control.rendezvous import KnockListener
+
+log = logging.getLogger(__name__)
+HELLO_TIMEOUT_S = 5.0
+
+
+@dataclass
+class AgentInfo:
+    agent_id: str
+    node: str
+    gpus: tuple[GpuInfo, ...]
+    job_id: str | None
+    pid: int
+    state: str = "alive"  # alive | preempted | gone | dead
+    reason: str = ""
+    last_seen: float = 0.0
+    grace_s: float | None = None
+
+
+@dataclass
+class _Conn:
+    channel: Channel
+    opened: float
+    agent_id: str | None = None
+    hb_seq: int = 0
+    last_hb_sent: float = 0.0
+
+
+@dataclass
+class _Pending:
+    agent_id: str
+    cmd: Command
+    sent: float
+    deadline: float
+    ack: Ack | None = None
+    failure: str | None = None
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    cmd_id: str
+    agent_id: str
+    ok: bool
+    status: str  # ok | failed | timeout | lost
+    error: str | None
+    elapsed_s: float
+
+
+@dataclass
+class ControlEvents:
+    """What happened to agents, for the coordinator loop to observe (drained by poll)."""
+
+    items: list[tuple[str, str, str]] = field(default_factory=list)  # (kind, agent, detail)
+
+
+class ControlServer:
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        heartbeat_s: float = 0.5,
+        missed_heartbeats: int = 6,
+        knock_host: str | None = None,
+        allocation_alive: Callable[[AgentInfo], bool | None] | None = None,
+        token: str | None = None,
+    ) -> None:
+        self.run_dir = Path(run_dir)
+        self.heartbeat_s = heartbeat_s
+        self.missed_heartbeats = missed_heartbeats
+        self.allocation_alive = allocation_alive
+        self._mpi = load_mpi("multiple")
+        self._token = token or new_token()
+        self._knock = KnockListener(knock_host or socket.gethostname(), self._token)
+        self.port = self._mpi.Open_port()
+        self._new_comms: queue.Queue[Any] = queue.Queue()
+        self._outbox: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._lock = threading.Condition()
+        self._conns: dict[str, _Conn] = {}
+        self._unauth: list[_Conn] = []
+        self.agents: dict[str, AgentInfo] = {}
+        self._pending: dict[str, _Pending] = {}
+        self._events: list[tuple[str, str, str]] = []
+        self._accepting_since: float | None = None
+        self._stop = threading.Event()
+        self._ids = itertools.count()
+        write_port_file(
+            self.run_dir,
+            PortInfo(self.port, self._knock.host, self._knock.port, self._token, os.getpid()),
+        )
+        self._threads = [
+            threading.Thread(target=self._accept_loop, name="control-accept", daemon=True),
+            threading.Thread(target=self._io_loop, name="control-io", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    # ------------------------------------------------------------------ public API
+    def alive_agents(self) -> dict[str, AgentInfo]:
+        with self._lock:
+            return {a: i for a, i in self.agents.items() if i.state == "alive"}
+
+    def agent_for_node(self, node: str) -> str | None:
+        with self._lock:
+            for a, i in self.agents.items():
+                if i.node == node and i.state == "alive":
+                    return a
+        return None
+
+    def wait_for_agents(self, n: int, timeout_s: float) -> dict[str, AgentInfo]:
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while sum(i.state == "alive" for i in self.agents.values()) < n:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"{n} agents wanted, {len(self.alive_agents())} alive")
+                self._lock.wait(left)
+            return {a: i for a, i in self.agents.items() if i.state == "alive"}
+
+    def events(self) -> list[tuple[str, str, str]]:
+        """Agent events since the last call: (joined|preempted|gone|dead|refused, id, detail)."""
+        with self._lock:
+            out, self._events = self._events, []
+            return out
+
+    def send_commands(self, cmds: Iterable[tuple[str, Command]]) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for agent_id, cmd in cmds:
+                p = _Pending(agent_id, cmd, now, now + cmd.deadline_s)
+                self._pending[cmd.cmd_id] = p
+                info = self.agents.get(agent_id)
+                if info is None or info.state != "alive":
+                    p.failure = f"agent {agent_id} is {info.state if info else 'unknown'}"
+                else:
+                    self._outbox.put((agent_id, cmd))
+            self._lock.notify_all()
+
+    def wait_results(
+        self, cmd_ids: Iterable[str], timeout_s: float | None = None, any_: bool = False
+    ) -> dict[str, CommandResult]:
+        """Block until all (or, with ``any_``, at least one) of ``cmd_ids`` are resolved."""
+        ids = list(cmd_ids)
+        end = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._lock:
+            while True:
+                done = {c: r for c in ids if (r := self._result(c)) is not None}
+                if len(done) == len(ids) or (any_ and done):
+                    for c in done:
+                        self._pending.pop(c, None)
+                    return done
+                left = 0.05 if end is None else min(0.05, end - time.monotonic())
+                if left <= 0:
+                    return done
+                self._lock.wait(left)
+
+    def new_cmd_id(self) -> str:
+        return f"c{next(self._ids)}"
+
+    def close(self) -> None:
+        """Say Bye to live agents, stop the threads, close the port, remove the port file."""
+        with self._lock:
+            for a, i in self.agents.items():
+                if i.state == "alive":
+                    self._outbox.put((a, Bye(reason="coordinator closing")))
+        time.sleep(min(0.2, self.heartbeat_s))
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=5)
+        for c in [*self._conns.values(), *self._unauth]:
+            c.channel.close()
+        self._knock.close()
+        with contextlib.suppress(Exception):
+            self._mpi.Close_port(self.port)
+        remove_port_file(self.run_dir)
+
+    # ------------------------------------------------------------------ internals
+    def _result(self, cmd_id: str) -> CommandResult | None:
+        p = self._pending.get(cmd_id)
+        if p is None:
+            return None
+        elapsed = time.monotonic() - p.sent
+        if p.ack is not None:
+            status = "ok" if p.ack.ok else "failed"
+            return CommandResult(cmd_id, p.agent_id, p.ack.ok, status, p.ack.error, elapsed)
+        if p.failure is not None:
+            return CommandResult(cmd_id, p.agent_id, False, "lost", p.failure, elapsed)
+        if time.monotonic() > p.deadline + self.heartbeat_s:  # small slack for the ack trip
+            msg = f"no ack within {p.cmd.deadline_s:.3g} s"
+            return CommandResult(cmd_id, p.agent_id, False, "timeout", msg, elapsed)
+        return None
+
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            k = self._knock.poll()
+            if k is None:
+                continue
+            try:
+                with self._lock:
+                    self._accepting_since = time.monotonic()
+                self._knock.admit(k)
+                comm = self._mpi.COMM_SELF.Accept(self.port)
+                self._new_comms.put(comm)
+            except (OSError, self._mpi.Exception) as e:
+                log.warning("accept for %s failed: %s", k.agent_id, e)
+            finally:
+                with self._lock:
+                    # liveness clocks restart: nobody could talk while Accept was pending
+                    stalled = time.monotonic() - (self._accepting_since or time.monotonic())
+                    self._accepting_since = None
+                    for i in self.agents.values():
+                        i.last_seen += stalled
+                k.conn.close()
+
+    def _io_loop(self) -> None:
+        while not self._stop.is_set():
+            busy = False
+            while not self._new_comms.empty():
+                comm = self._new_comms.get()
+                self._unauth.append(_Conn(Channel(self._mpi, comm), time.monotonic()))
+            while not self._outbox.empty():
+                agent_id, msg = self._outbox.get()
+                conn = self._conns.get(agent_id)
+                if conn is not None:
+                    conn.channel.send(msg)
+                    busy = True
+            for conn in [*self._unauth, *self._conns.values()]:
+                busy |= self._service(conn)
+            self._heartbeats()
+            if not busy:
+                time.sleep(0.0003)
+        # final flush of Byes
+        end = time.monotonic() + 0.5
+        while time.monotonic() < end and not all(
+            c.channel.progress() for c in self._conns.values()
+        ):
+            time.sleep(0.001)
+
+    def _service(self, conn: _Conn) -> bool:
+        got = False
+        for _ in range(64):
+            try:
+                msg = conn.channel.recv()
+            except ProtocolError as e:
+                self._drop(conn, "dead", f"protocol error: {e}")
+                return True
+            if msg is None:
+                break
+            got = True
+            self._handle(conn, msg)
+            if conn.channel.closed:
+                return True
+        conn.channel.progress()
+        if conn.channel.error and not conn.channel.closed:
+            self._drop(conn, "dead", conn.channel.error)
+        elif conn.agent_id is None and time.monotonic() - conn.opened > HELLO_TIMEOUT_S:
+            self._drop(conn, "refused", "no hello")
+        return got
+
+    def _handle(self, conn: _Conn, msg: Any) -> None:
+        now = time.monotonic()
+        if conn.agent_id is None:
+            if not isinstance(msg, Hello):
+                self._drop(conn, "refused", f"expected hello, got {msg.type}")
+            elif not hmac.compare_digest(msg.token.encode(), self._token.encode()):
+                conn.channel.send(Bye(reason="authentication failed: wrong token"))
+                self._drop(conn, "refused", f"{msg.agent_id}: wrong token", flush=True)
+            else:
+                self._register(conn, msg, now)
+            return
+        with self._lock:
+            info = self.agents[conn.agent_id]
+            info.last_seen = now
+            if isinstance(msg, Ack):
+                p = self._pending.get(msg.cmd_id)
+                if p is not None and p.ack is None:
+                    p.ack = msg
+                    self._lock.notify_all()
+            elif isinstance(msg, Preempted):
+                info.grace_s = msg.grace_s
+                self._event("preempted", info.agent_id, f"grace {msg.grace_s} s")
+            elif isinstance(msg, Bye):
+                self._drop(conn, "gone", msg.reason or "bye")
+
+    def _register(self, conn: _Conn, hello: Hello, now: float) -> None:
+        with self._lock:
+            old = self._conns.pop(hello.agent_id, None)
+            if old is not None:  # a restarted agent replaces its stale connection
+                old.channel.error = old.channel.error or "replaced"
+                old.channel.close()
+            self._unauth.remove(conn)
+            conn.agent_id = hello.agent_id
+            self._conns[hello.agent_id] = conn
+            self.agents[hello.agent_id] = AgentInfo(
+                hello.agent_id, hello.node, hello.gpus, hello.job_id, hello.pid, last_seen=now
+            )
+            self._event("joined", hello.agent_id, f"{hello.node} gpus={len(hello.gpus)}")
+        conn.channel.send(
+            Welcome(
+                agent_id=hello.agent_id,
+                heartbeat_s=self.heartbeat_s,
+                missed_heartbeats=self.missed_heartbeats,
+            )
+        )
+
+    def _drop(self, conn: _Conn, state: str, reason: str, flush: bool = False) -> None:
+        if flush:
+            end = time.monotonic() + 0.2
+            while not conn.channel.progress() and time.monotonic() < end:
+                time.sleep(0.001)
+        if state == "dead":
+            conn.channel.error = conn.channel.error or reason
+        conn.channel.close()
+        with self._lock:
+            if conn in self._unauth:
+                self._unauth.remove(conn)
+                self._event(state, "?", reason)
+                return
+            aid = conn.agent_id
+            if aid is None or self._conns.get(aid) is not conn:
+                return
+            del self._conns[aid]
+            info = self.agents[aid]
+            info.state, info.reason = state, reason
+            for p in self._pending.values():
+                if p.agent_id == aid and p.ack is None and p.failure is None:
+                    p.failure = f"agent {aid} {state}: {reason}"
+            self._event(state, aid, reason)
+            self._lock.notify_all()
+
+    def _event(self, kind: str, agent_id: str, detail: str) -> None:
+        log.info("agent %s %s: %s", agent_id, kind, detail)
+        self._events.append((kind, agent_id, detail))
+        self._lock.notify_all()
+
+    def _heartbeats(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            stalled = self._accepting_since is not None
+        for aid, conn in list(self._conns.items()):
+            if now - conn.last_hb_sent >= self.heartbeat_s:
+                conn.last_hb_sent = now
+                conn.channel.send(Heartbeat(seq=conn.hb_seq, t=time.time()))
+                conn.hb_seq += 1
+            if stalled:
+                continue
+            info = self.agents[aid]
+            late = now - info.last_seen
+            if late > self.heartbeat_s * self.missed_heartbeats:
+                self._drop(conn, "dead", f"no heartbeat for {late:.2f} s")
+            elif (
+                late > 2 * self.heartbeat_s
+                and self.allocation_alive is not None
+                and self.allocation_alive(info) is False
+            ):
+                self._drop(conn, "dead", f"allocation {info.job_id} ended")

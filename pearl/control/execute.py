@@ -1,0 +1,141 @@
+"""Executing a :class:`~pearl.core.plan.TransitionPlan` as per-agent commands.
+
+A step is sent to the agent registered for its node as soon as every step it depends on
+has succeeded; a step whose dependency failed (or whose agent is lost, or has none) is
+aborted without being sent. Each command has a deadline (``deadline_factor`` x the step's
+estimated duration, at least ``min_deadline_s``); no ack by then is a timeout.
+
+Role changes are two-phase: the plan drains a worker (``drain``/``migrate``) and then
+switches or stops it in a later step that depends on the drain. If the plan fails, every
+worker left drained (its drain succeeded, the step after it did not run or failed) gets an
+``abort_drain`` command (phase draining -> ready: keep serving in the old role), so an
+aborted plan leaves no worker stuck out of service. Compensations to a lost agent are moot.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from pearl.control.coordinator_side import CommandResult, ControlServer
+from pearl.control.messages import ABORT_DRAIN, Command
+from pearl.core.plan import Action, PlanStep, TransitionPlan
+
+DRAINING_ACTIONS = frozenset({Action.DRAIN, Action.MIGRATE})
+
+
+@dataclass(frozen=True)
+class StepResult:
+    step_id: int
+    status: str  # ok | failed | timeout | lost | aborted
+    agent_id: str | None
+    error: str | None
+    elapsed_s: float
+
+
+@dataclass
+class PlanResult:
+    steps: dict[int, StepResult] = field(default_factory=dict)
+    compensations: dict[str, StepResult] = field(default_factory=dict)  # worker -> abort_drain
+    elapsed_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return all(r.status == "ok" for r in self.steps.values())
+
+
+def _deadline(step: PlanStep, factor: float, minimum: float) -> float:
+    return max(minimum, factor * step.duration_s)
+
+
+def execute_plan(
+    server: ControlServer,
+    plan: TransitionPlan,
+    *,
+    deadline_factor: float = 3.0,
+    min_deadline_s: float = 5.0,
+) -> PlanResult:
+    t0 = time.monotonic()
+    result = PlanResult()
+    steps = {s.step_id: s for s in plan.steps}
+    waiting = dict(steps)
+    in_flight: dict[str, PlanStep] = {}
+    while waiting or in_flight:
+        batch: list[tuple[str, Command]] = []
+        for sid, step in list(waiting.items()):
+            deps = [result.steps.get(d) for d in step.depends_on]
+            if any(d is not None and d.status != "ok" for d in deps):
+                bad = next(d for d in deps if d is not None and d.status != "ok")
+                result.steps[sid] = StepResult(
+                    sid, "aborted", None, f"dependency {bad.step_id} {bad.status}", 0.0
+                )
+                del waiting[sid]
+                continue
+            if any(d is None for d in deps):
+                continue
+            del waiting[sid]
+            agent = server.agent_for_node(step.node)
+            if agent is None:
+                result.steps[sid] = StepResult(sid, "lost", None, f"no agent on {step.node}", 0)
+                continue
+            cmd = Command(
+                cmd_id=server.new_cmd_id(),
+                step_id=sid,
+                action=step.action.value,
+                worker_id=step.worker_id,
+                gpu_ids=step.gpu_ids,
+                role=None if step.role is None else step.role.value,
+                deadline_s=_deadline(step, deadline_factor, min_deadline_s),
+            )
+            batch.append((agent, cmd))
+            in_flight[cmd.cmd_id] = step
+        if batch:
+            server.send_commands(batch)
+            continue  # aborts/dispatches may have unlocked more steps
+        if not in_flight:
+            break
+        for cid, r in server.wait_results(in_flight, any_=True).items():
+            step = in_flight.pop(cid)
+            result.steps[step.step_id] = _step_result(step.step_id, r)
+    if not result.ok:
+        _compensate(server, plan, result, min_deadline_s)
+    result.elapsed_s = time.monotonic() - t0
+    return result
+
+
+def _step_result(step_id: int, r: CommandResult) -> StepResult:
+    return StepResult(step_id, r.status, r.agent_id, r.error, r.elapsed_s)
+
+
+def _compensate(
+    server: ControlServer, plan: TransitionPlan, result: PlanResult, deadline_s: float
+) -> None:
+    left_drained: dict[str, PlanStep] = {}
+    for step in plan.steps:  # topological order: the last step on a worker wins
+        r = result.steps.get(step.step_id)
+        if step.action in DRAINING_ACTIONS and r is not None and r.status == "ok":
+            left_drained[step.worker_id] = step
+        elif r is not None and r.status == "ok":
+            left_drained.pop(step.worker_id, None)
+    cmds: dict[str, tuple[str, PlanStep]] = {}
+    batch = []
+    for worker, step in left_drained.items():
+        agent = server.agent_for_node(step.node)
+        if agent is None:
+            continue
+        cmd = Command(
+            cmd_id=server.new_cmd_id(),
+            step_id=step.step_id,
+            action=ABORT_DRAIN,
+            worker_id=worker,
+            gpu_ids=step.gpu_ids,
+            deadline_s=deadline_s,
+        )
+        batch.append((agent, cmd))
+        cmds[cmd.cmd_id] = (worker, step)
+    if not batch:
+        return
+    server.send_commands(batch)
+    for cid, cr in server.wait_results(cmds).items():
+        worker, step = cmds[cid]
+        result.compensations[worker] = _step_result(step.step_id, cr)

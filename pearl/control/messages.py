@@ -1,0 +1,133 @@
+"""Control-plane messages: versioned, validated, JSON on the wire (never pickle).
+
+Every message carries ``v`` (the schema version, :data:`PROTOCOL_VERSION`) and ``type``.
+:func:`encode` turns a message into UTF-8 JSON bytes; :func:`decode` turns bytes from a
+peer back into a message and raises :class:`ProtocolError` (a ``ValueError``) naming the
+offending field on anything else: bad JSON, a foreign version, an unknown type, a missing,
+extra or mistyped field. Nothing received is ever unpickled or evaluated.
+
+Direction: ``Hello``, ``Ack``, ``Preempted`` go agent -> coordinator; ``Welcome``,
+``Command`` coordinator -> agent; ``Heartbeat`` and ``Bye`` both ways.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+PROTOCOL_VERSION = 1
+MAX_MESSAGE_BYTES = 1 << 20  # a peer that sends more is broken or hostile
+
+# Actions an agent executes: those of pearl.core.plan.Action plus ABORT_DRAIN, the
+# compensation of a drain whose switch was aborted (phase draining -> ready).
+ABORT_DRAIN = "abort_drain"
+
+
+class ProtocolError(ValueError):
+    """A received message that is not a valid message of this protocol version."""
+
+
+class _Msg(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+    v: Literal[1] = 1  # PROTOCOL_VERSION
+
+
+class GpuInfo(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+    id: str = Field(min_length=1)
+    type: str = Field(min_length=1)
+
+
+class Hello(_Msg):
+    type: Literal["hello"] = "hello"
+    token: str = Field(min_length=1)
+    agent_id: str = Field(min_length=1)
+    node: str = Field(min_length=1)
+    gpus: tuple[GpuInfo, ...] = ()
+    job_id: str | None = None  # the Slurm allocation the agent runs in, if any
+    pid: int = 0
+
+
+class Welcome(_Msg):
+    type: Literal["welcome"] = "welcome"
+    agent_id: str
+    heartbeat_s: float = Field(gt=0)
+    missed_heartbeats: int = Field(ge=1)
+
+
+class Heartbeat(_Msg):
+    type: Literal["heartbeat"] = "heartbeat"
+    seq: int = Field(ge=0)
+    t: float  # sender's wall clock, for diagnostics only (never compared across hosts)
+
+
+class Command(_Msg):
+    type: Literal["command"] = "command"
+    cmd_id: str = Field(min_length=1)
+    step_id: int
+    action: str = Field(min_length=1)
+    worker_id: str = Field(min_length=1)
+    gpu_ids: tuple[str, ...] = ()
+    role: str | None = None
+    deadline_s: float = Field(gt=0)  # time budget from receipt
+
+
+class Ack(_Msg):
+    type: Literal["ack"] = "ack"
+    cmd_id: str = Field(min_length=1)
+    ok: bool
+    error: str | None = None
+    elapsed_s: float = Field(ge=0)
+
+
+class Preempted(_Msg):
+    type: Literal["preempted"] = "preempted"
+    grace_s: float = Field(ge=0)
+    signal: str = ""
+
+
+class Bye(_Msg):
+    type: Literal["bye"] = "bye"
+    reason: str = ""
+
+
+Message = Annotated[
+    Hello | Welcome | Heartbeat | Command | Ack | Preempted | Bye, Field(discriminator="type")
+]
+_ADAPTER: TypeAdapter[Any] = TypeAdapter(Message)
+MESSAGE_TYPES = ("hello", "welcome", "heartbeat", "command", "ack", "preempted", "bye")
+
+
+def encode(msg: BaseModel) -> bytes:
+    if not isinstance(msg, _Msg):
+        raise TypeError(f"not a control message: {type(msg).__name__}")
+    return msg.model_dump_json().encode()
+
+
+def decode(data: bytes | bytearray | memoryview) -> Any:
+    """Parse and validate one message; raise :class:`ProtocolError` naming the field."""
+    raw = bytes(data)
+    if len(raw) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"message of {len(raw)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        obj = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ProtocolError(f"message is not JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"message must be a JSON object, got {type(obj).__name__}")
+    if "v" not in obj:
+        raise ProtocolError("field 'v': missing (protocol version)")
+    if obj["v"] != PROTOCOL_VERSION or isinstance(obj["v"], bool):
+        raise ProtocolError(
+            f"field 'v': unsupported protocol version {obj['v']!r}, expected {PROTOCOL_VERSION}"
+        )
+    if obj.get("type") not in MESSAGE_TYPES:
+        raise ProtocolError(f"field 'type': unknown message type {obj.get('type')!r}")
+    try:
+        return _ADAPTER.validate_json(raw)  # strict JSON mode: arrays are tuples
+    except ValidationError as e:
+        first = e.errors()[0]
+        loc = ".".join(str(p) for p in first["loc"][1:]) or "<message>"
+        raise ProtocolError(f"{obj['type']} field '{loc}': {first['msg']}") from None

@@ -1,0 +1,288 @@
+"""The MPI control plane with real processes: a coordinator harness and agents, each its
+own ``mpiexec -n 1`` run, on loopback. No Slurm."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from control_procs import Coordinator, fake_engine_args, start_agent, stop_all
+
+
+@pytest.fixture
+def coord(tmp_path: Path) -> Iterator[Coordinator]:
+    c = Coordinator(tmp_path)
+    yield c
+    c.close()
+
+
+def _steps(nodes: list[str], n: int) -> list[dict[str, object]]:
+    out: list[dict[str, object]] = []
+    for w in range(n // 2):
+        node = nodes[w % len(nodes)]
+        sid = len(out)
+        out.append({"step_id": sid, "action": "drain", "worker_id": f"w{w}", "node": node})
+        out.append(
+            {
+                "step_id": sid + 1,
+                "action": "switch",
+                "worker_id": f"w{w}",
+                "node": node,
+                "role": "decode",
+                "depends_on": [sid],
+            }
+        )
+    return out
+
+
+def test_agent_registers_its_gpus(coord: Coordinator, tmp_path: Path) -> None:
+    assert (tmp_path / "control" / "port.json").stat().st_mode & 0o777 == 0o600
+    procs = [
+        start_agent(tmp_path, "a0", "n0", "--gpus", "0,1", "--gpu-type", "a100", "--null-workers")
+    ]
+    try:
+        agents = coord.call("wait", n=1)
+        assert agents["a0"]["node"] == "n0"
+        assert agents["a0"]["gpus"] == ["n0/0", "n0/1"]
+        assert [e[:2] for e in coord.call("events")] == [["joined", "a0"]]
+    finally:
+        coord.close()
+        for p in procs:
+            assert p.wait(timeout=10) == 0  # the agent leaves on the coordinator's Bye
+
+
+def test_wrong_token_is_refused_and_others_stay(coord: Coordinator, tmp_path: Path) -> None:
+    good = start_agent(tmp_path, "good", "n0", "--null-workers")
+    procs = [good]
+    try:
+        coord.call("wait", n=1)
+        evil = tmp_path / "evil"
+        (evil / "control").mkdir(parents=True)
+        pf = (tmp_path / "control" / "port.json").read_text().replace('"token": "', '"token": "x')
+        fd = os.open(evil / "control" / "port.json", os.O_WRONLY | os.O_CREAT, 0o600)
+        os.write(fd, pf.encode())
+        os.close(fd)
+        bad = start_agent(evil, "bad", "n1", "--null-workers", stderr=subprocess.PIPE)
+        procs.append(bad)
+        _, err = bad.communicate(timeout=20)
+        assert bad.returncode == 2
+        assert "wrong token" in err
+        res = coord.call("execute", steps=_steps(["n0"], 4))
+        assert res["ok"], res
+        agents = coord.call("agents")
+        assert set(agents) == {"good"} and agents["good"]["state"] == "alive"
+    finally:
+        stop_all(procs)
+
+
+def test_64_step_plan_over_4_agents(coord: Coordinator, tmp_path: Path) -> None:
+    nodes = [f"n{i}" for i in range(4)]
+    procs = [start_agent(tmp_path, f"a{i}", n, "--null-workers") for i, n in enumerate(nodes)]
+    try:
+        coord.call("wait", n=4)
+        res = coord.call("execute", steps=_steps(nodes, 64))
+        assert res["ok"], res
+        assert len(res["steps"]) == 64
+        assert {s["agent_id"] for s in res["steps"].values()} == {"a0", "a1", "a2", "a3"}
+        assert all(s["status"] == "ok" for s in res["steps"].values())
+        # a step for a node without an agent is reported, not hung on
+        res = coord.call(
+            "execute",
+            steps=[{"step_id": 0, "action": "sleep", "worker_id": "x", "node": "nowhere"}],
+        )
+        assert res["steps"]["0"]["status"] == "lost"
+    finally:
+        stop_all(procs)
+
+
+def test_sigkill_mid_plan(coord: Coordinator, tmp_path: Path) -> None:
+    """The killed agent's steps fail, its drained workers stay, the others complete, and the
+    coordinator keeps serving. The plan's engine 'starts' on the victim block long enough
+    (its engine command for prefill never becomes healthy, so its start blocks)."""
+    nodes = ["n0", "n1", "n2"]
+    procs = [
+        start_agent(
+            tmp_path, f"a{i}", n, "--gpus", "0", *fake_engine_args(), "--engine", "prefill=sleep 60"
+        )
+        for i, n in enumerate(nodes)
+    ]
+    try:
+        agents = coord.call("wait", n=3)
+        victim = agents["a2"]["pid"]
+        steps = [
+            {
+                "step_id": 0,
+                "action": "start",
+                "worker_id": "v",
+                "node": "n2",
+                "role": "prefill",
+                "duration_s": 10.0,
+            },
+            {
+                "step_id": 1,
+                "action": "switch",
+                "worker_id": "v",
+                "node": "n2",
+                "role": "decode",
+                "depends_on": [0],
+            },
+            {
+                "step_id": 2,
+                "action": "start",
+                "worker_id": "e0",
+                "node": "n0",
+                "role": "colocated",
+                "gpu_ids": ["n0/0"],
+                "duration_s": 5.0,
+            },
+            {
+                "step_id": 3,
+                "action": "sleep",
+                "worker_id": "e0",
+                "node": "n0",
+                "role": "idle",
+                "depends_on": [2],
+            },
+            {"step_id": 4, "action": "stop", "worker_id": "e0", "node": "n0", "depends_on": [3]},
+        ]
+        assert coord.proc.stdin is not None
+        t0 = time.monotonic()
+        coord.proc.stdin.write(json.dumps({"op": "execute", "steps": steps}) + "\n")
+        coord.proc.stdin.flush()
+        time.sleep(1.0)
+        os.kill(victim, signal.SIGKILL)
+        res = coord.read()
+        took = time.monotonic() - t0
+        assert (
+            res["steps"]["0"]["status"] == "lost" and "no heartbeat" in res["steps"]["0"]["error"]
+        )
+        assert res["steps"]["1"]["status"] == "aborted"
+        assert [res["steps"][k]["status"] for k in "234"] == ["ok", "ok", "ok"], res
+        assert took < 8, took  # heartbeat timeout (1 s), not the 30 s command deadline
+        agents = coord.call("agents")
+        assert agents["a2"]["state"] == "dead"
+        res = coord.call(
+            "execute",
+            steps=[
+                {
+                    "step_id": 0,
+                    "action": "start",
+                    "worker_id": "e1",
+                    "node": "n1",
+                    "role": "decode",
+                    "gpu_ids": ["n1/0"],
+                    "duration_s": 5.0,
+                },
+                {
+                    "step_id": 1,
+                    "action": "stop",
+                    "worker_id": "e1",
+                    "node": "n1",
+                    "depends_on": [0],
+                },
+            ],
+        )
+        assert res["ok"], res
+    finally:
+        stop_all(procs)
+
+
+def _fake_children(pid: int) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+            cmd = (d / "cmdline").read_bytes()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == pid and b"pearl.control.fakes" in cmd:
+            out.append(int(d.name))
+    return out
+
+
+def test_sigusr2_preemption(coord: Coordinator, tmp_path: Path) -> None:
+    procs = [
+        start_agent(
+            tmp_path,
+            "p0",
+            "n0",
+            "--gpus",
+            "0,1",
+            "--grace-s",
+            "5",
+            *fake_engine_args(),
+            stderr=subprocess.PIPE,
+        ),
+        start_agent(tmp_path, "p1", "n1", "--null-workers"),
+    ]
+    try:
+        agents = coord.call("wait", n=2)
+        res = coord.call(
+            "execute",
+            steps=[
+                {
+                    "step_id": 0,
+                    "action": "start",
+                    "worker_id": "e0",
+                    "node": "n0",
+                    "role": "colocated",
+                    "gpu_ids": ["n0/1"],
+                    "duration_s": 5.0,
+                }
+            ],
+        )
+        assert res["ok"], res
+        pid = agents["p0"]["pid"]
+        assert len(_fake_children(pid)) == 1
+        t0 = time.monotonic()
+        os.kill(pid, signal.SIGUSR2)
+        _, err = procs[0].communicate(timeout=10)
+        took = time.monotonic() - t0
+        assert procs[0].returncode == 0, err
+        assert took < 5, took  # within the grace period, mpiexec teardown included
+        assert "preempted by SIGUSR2" in err
+        assert _fake_children(pid) == []
+        time.sleep(0.3)
+        agents = coord.call("agents")
+        assert agents["p0"]["state"] == "gone" and agents["p0"]["grace_s"] == 5.0
+        kinds = [e[:2] for e in coord.call("events")]
+        assert ["preempted", "p0"] in kinds and ["gone", "p0"] in kinds
+        assert coord.call("execute", steps=_steps(["n1"], 4))["ok"]
+    finally:
+        stop_all(procs)
+
+
+def test_failed_plan_aborts_its_drains(coord: Coordinator, tmp_path: Path) -> None:
+    """Two-phase role change: when the switch cannot happen, the drain is undone."""
+    procs = [start_agent(tmp_path, "a0", "n0", "--null-workers")]
+    try:
+        coord.call("wait", n=1)
+        res = coord.call(
+            "execute",
+            steps=[
+                {"step_id": 0, "action": "drain", "worker_id": "w0", "node": "n0"},
+                {"step_id": 1, "action": "sleep", "worker_id": "x", "node": "gone-node"},
+                {
+                    "step_id": 2,
+                    "action": "switch",
+                    "worker_id": "w0",
+                    "node": "n0",
+                    "role": "decode",
+                    "depends_on": [0, 1],
+                },
+            ],
+        )
+        assert not res["ok"]
+        assert [res["steps"][k]["status"] for k in "012"] == ["ok", "lost", "aborted"]
+        assert res["compensations"]["w0"]["status"] == "ok"
+    finally:
+        stop_all(procs)

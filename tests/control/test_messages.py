@@ -1,0 +1,91 @@
+"""Wire format: round trips and clear errors on malformed input (pure, no MPI)."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+
+import pytest
+
+from pearl.control.messages import (
+    Ack,
+    Bye,
+    Command,
+    GpuInfo,
+    Heartbeat,
+    Hello,
+    Preempted,
+    ProtocolError,
+    Welcome,
+    decode,
+    encode,
+)
+from pearl.control.portfile import PortInfo, read_port_file, write_port_file
+
+ALL = [
+    Hello(token="t", agent_id="a", node="n", gpus=(GpuInfo(id="n/0", type="h100"),)),
+    Welcome(agent_id="a", heartbeat_s=0.5, missed_heartbeats=6),
+    Heartbeat(seq=3, t=1.5),
+    Command(
+        cmd_id="c1",
+        step_id=4,
+        action="switch",
+        worker_id="w",
+        gpu_ids=("n/0",),
+        role="decode",
+        deadline_s=5.0,
+    ),
+    Ack(cmd_id="c1", ok=False, error="boom", elapsed_s=0.1),
+    Preempted(grace_s=30.0, signal="SIGUSR2"),
+    Bye(reason="done"),
+]
+
+
+@pytest.mark.parametrize("msg", ALL, ids=lambda m: m.type)
+def test_round_trip(msg: object) -> None:
+    assert decode(encode(msg)) == msg  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("raw", "needle"),
+    [
+        (b"{not json", "not JSON"),
+        (b"[1]", "JSON object"),
+        (b'{"type": "bye"}', "field 'v'"),
+        (b'{"v": 2, "type": "bye"}', "unsupported protocol version 2"),
+        (b'{"v": true, "type": "bye"}', "unsupported protocol version"),
+        (b'{"v": 1, "type": "pickle"}', "unknown message type 'pickle'"),
+        (b'{"v": 1, "type": "ack", "cmd_id": "c", "ok": "yes", "elapsed_s": 0}', "'ok'"),
+        (b'{"v": 1, "type": "command", "step_id": 1}', "'cmd_id'"),
+        (b'{"v": 1, "type": "bye", "reason": "x", "extra": 1}', "'extra'"),
+        (
+            b'{"v": 1, "type": "hello", "token": "t", "agent_id": "a", "node": "n",'
+            b' "gpus": [{"id": 0, "type": "h100"}]}',
+            "'gpus.0.id'",
+        ),
+        (b"\xff\xfe", "not JSON"),
+    ],
+)
+def test_malformed_messages_name_the_problem(raw: bytes, needle: str) -> None:
+    with pytest.raises(ProtocolError, match=None) as e:
+        decode(raw)
+    assert needle in str(e.value)
+    assert isinstance(e.value, ValueError)
+
+
+def test_port_file_is_private_and_checked(tmp_path: object) -> None:
+    from pathlib import Path
+
+    run = Path(str(tmp_path))
+    info = PortInfo("port-name", "127.0.0.1", 1234, "secret", 7)
+    path = write_port_file(run, info)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert read_port_file(run) == info
+    os.chmod(path, 0o644)
+    with pytest.raises(ValueError, match="0600"):
+        read_port_file(run)
+    os.chmod(path, 0o600)
+    path.write_text(json.dumps({"v": 1, "port": "p"}))
+    with pytest.raises(ValueError, match="knock_host"):
+        read_port_file(run)

@@ -1,0 +1,123 @@
+"""The coordinator as a real Slurm job on the dev cluster, submitted with submitit from
+``launch/submit.py``: its elastic request is granted by Slurm and reaches the journalled
+state; requeued, it resumes from the journal without asking twice."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+from slurm_cluster import REPO, DevCluster, dev_cluster
+
+from pearl.coordinator.journal import replay
+from pearl.core.state import AllocationStatus
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevCluster]:
+    yield from dev_cluster(tmp_path_factory, port_base="46800")
+
+
+def _config(tmp_path: Path) -> Path:
+    doc = {
+        "schema_version": 1,
+        "run_id": "slurm1",
+        "run_dir": "run",
+        "profile": "qwen3-8b",
+        "backend": "slurm",
+        "gpus_per_node": {"h20": 2},
+        "poll_interval_s": 0.5,
+        "decision_interval_s": 0.5,
+        "base": {"trainer": [{"name": "h800-1", "gpu_type": "h800", "num_gpus": 4}]},
+        "policy": {
+            "elastic": {
+                "rule": "greedy",
+                "gpu_type": "h20",
+                "partition": "elastic",
+                "gpus_per_allocation": 2,
+                "max_allocations": 1,
+                "time_limit_min": 10,
+            },
+            "borrowing": {"rule": "never"},
+        },
+    }
+    path = tmp_path / "coordinator.yaml"
+    path.write_text(yaml.safe_dump(doc), encoding="utf-8")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "workload.json").write_text(
+        '{"trajectories": [{"traj_id": "q0", "phase": "queued", "context_tokens": 100,'
+        ' "remaining_turns": 2}]}',
+        encoding="utf-8",
+    )
+    return path
+
+
+def _granted(journal: Path) -> list[str]:
+    state = replay(journal).state if journal.exists() else None
+    if state is None:
+        return []
+    return [
+        a.allocation_id
+        for a in state.allocations
+        if a.status is AllocationStatus.GRANTED and a.allocation_id != "base"
+    ]
+
+
+def _wait(predicate, timeout_s: float, what: str, cluster: DevCluster) -> None:  # type: ignore[no-untyped-def]
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if predicate():
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}\n{cluster.run('squeue')}\n{cluster.logs()}")
+
+
+def test_coordinator_job_gets_a_grant_and_resumes_after_a_requeue(
+    cluster: DevCluster, tmp_path: Path
+) -> None:
+    config = _config(tmp_path)
+    journal = tmp_path / "run" / "journal.jsonl"
+    submit = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "launch" / "submit.py"),
+            str(config),
+            "--folder",
+            str(tmp_path / "jobs"),
+            "--time-min",
+            "10",
+        ],
+        env=cluster.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert submit.returncode == 0, submit.stderr
+    job_id = submit.stdout.strip().splitlines()[-1]
+    _wait(lambda: _granted(journal) == ["el0001"], 60, "the elastic grant", cluster)
+    state = replay(journal).state
+    assert state is not None
+    nodes = {g.node for g in state.gpus if g.allocation_id == "el0001"}
+    assert nodes <= {"h20-1", "h20-2"} and len(nodes) == 1
+    records = replay(journal).num_records
+    cluster.run("scontrol", "requeue", job_id)
+    # A requeued job waits out a BeginTime (Slurm's requeue delay); start it now.
+    _wait(
+        lambda: "PENDING" in cluster.run("squeue", "-h", "-j", job_id, "-o", "%T"),
+        30,
+        "the requeue",
+        cluster,
+    )
+    cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+    _wait(
+        lambda: replay(journal).num_records > records + 4, 90, "the requeued coordinator", cluster
+    )
+    assert _granted(journal) == ["el0001"]
+    assert "el0002" not in journal.read_text()  # resumed, did not ask again
+    cluster.run("scancel", job_id)
