@@ -15,10 +15,12 @@ import time
 from pathlib import Path
 from types import FrameType
 
+from pearl.cluster.agent_payload import AgentPayload
 from pearl.cluster.backend import AllocationBackend
 from pearl.cluster.local_backend import LocalBackend
 from pearl.cluster.slurm_backend import SlurmBackend
 from pearl.coordinator.config import CoordinatorConfig, load_config
+from pearl.coordinator.control import MpiControl
 from pearl.coordinator.loop import Coordinator, workload_file
 from pearl.io.documents import load_profile
 
@@ -42,14 +44,20 @@ def run_start_s(run_dir: Path) -> float:
 
 
 def make_backend(config: CoordinatorConfig, run_dir: Path) -> AllocationBackend:
+    a = config.agents
+    payload = None
+    if a is not None:
+        gpu_type = config.policy.elastic.gpu_type
+        payload = AgentPayload(str(run_dir), gpu_type, a.engines, a.null_workers, a.grace_s)
     if config.backend == "local":
-        return LocalBackend(run_dir / "jobs")
+        return LocalBackend(run_dir / "jobs", payload=payload)
     return SlurmBackend(
         config.run_id,
         run_dir / "jobs",
         dict(config.gpus_per_node),
         config.poll_interval_s,
         qos=config.qos,
+        payload=payload,
     )
 
 
@@ -65,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGUSR2):
         signal.signal(sig, on_signal)
+    control = MpiControl(run_dir) if config.agents is not None else None
     coordinator = Coordinator(
         config,
         profile,
@@ -72,11 +81,14 @@ def run(args: argparse.Namespace) -> int:
         backend,
         clock=lambda: time.time() - start_s,
         workload=workload_file(run_dir / "workload.json"),
+        control=control,
     )
     try:
         coordinator.run(args.max_runtime_s, stop=lambda: bool(stopping["signal"]))
     finally:
         coordinator.close()
+        if control is not None:
+            control.close()
     if not stopping["signal"]:
         backend.close()  # a run that ended releases its allocations; a signalled one keeps them
     return 0

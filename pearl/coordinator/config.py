@@ -42,6 +42,14 @@ class BaseJob(Frozen):
     rollout: tuple[BaseNode, ...] = Field((), description="Nodes that serve rollout.")
 
 
+class AgentSection(Frozen):
+    engines: tuple[str, ...] = Field(
+        (), description="Engine command per role, ROLE=CMD ({port}, {role}, {worker_id})."
+    )
+    null_workers: bool = Field(False, description="Record commands without engines.")
+    grace_s: PosFloat = Field(30.0, description="Time an agent has to drain on preemption.")
+
+
 class CoordinatorConfig(Frozen):
     schema_version: Literal[1] = Field(description="Configuration schema version.")
     run_id: RunId = Field(description="Tags every job and file of the run.")
@@ -56,6 +64,9 @@ class CoordinatorConfig(Frozen):
     decision_interval_s: PosFloat = Field(10.0, description="Seconds between decisions.")
     base: BaseJob = Field(description="The base job's nodes.")
     policy: PolicyConfig = Field(PolicyConfig(), description="pearl's decision policy.")
+    agents: AgentSection | None = Field(
+        None, description="Node agents in the allocations (None: allocations only hold nodes)."
+    )
 
     @model_validator(mode="after")
     def _elastic_type_offered(self) -> CoordinatorConfig:

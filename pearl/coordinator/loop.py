@@ -22,10 +22,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from pearl.cluster.backend import AllocationBackend
 from pearl.coordinator.config import CoordinatorConfig, initial_state
+from pearl.coordinator.control import write_agents
 from pearl.coordinator.journal import Journal, replay
 from pearl.core.apply import apply_plan
 from pearl.core.decide import decide
@@ -44,6 +45,10 @@ Clock = Callable[[], float]
 class ControlPlane(Protocol):
     def execute(self, plan: TransitionPlan) -> bool:
         """Carry out every step on the agents; True when all of them acknowledged."""
+        ...
+
+    def agents(self) -> list[dict[str, Any]]:
+        """The agents known: id, node, GPU ids, state."""
         ...
 
 
@@ -72,6 +77,7 @@ class Coordinator:
         self.config, self.profile, self.backend = config, profile, backend
         self.clock, self.workload, self.control = clock, workload, control
         self.journal_path = run_dir / "journal.jsonl"
+        self.agents_path = run_dir / "agents.json"
         past = replay(self.journal_path)
         self.state: ClusterState = past.state or initial_state(config)
         self.unfinished = [i for i in past.open_intents.values() if i.get("action") == "submit"]
@@ -122,6 +128,8 @@ class Coordinator:
             else:
                 why = "no control plane" if self.control is None else "not acknowledged"
                 self.journal.done(intent, now_s, ok=False, error=why)
+        if self.control is not None:
+            write_agents(self.agents_path, self.control.agents())
         return d
 
     def run(self, max_runtime_s: float | None = None, stop: Callable[[], bool] = bool) -> None:

@@ -4,6 +4,7 @@ state; requeued, it resumes from the journal without asking twice."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -121,3 +122,56 @@ def test_coordinator_job_gets_a_grant_and_resumes_after_a_requeue(
     assert _granted(journal) == ["el0001"]
     assert "el0002" not in journal.read_text()  # resumed, did not ask again
     cluster.run("scancel", job_id)
+
+
+def test_an_elastic_grant_brings_its_agent_and_a_preemption_takes_it_away(
+    cluster: DevCluster, tmp_path: Path
+) -> None:
+    config = _config(tmp_path)
+    doc = yaml.safe_load(config.read_text())
+    doc["agents"] = {"null_workers": True, "grace_s": 5}
+    config.write_text(yaml.safe_dump(doc), encoding="utf-8")
+    run = tmp_path / "run"
+    journal, agents_file = run / "journal.jsonl", run / "agents.json"
+    coordinator = subprocess.Popen(
+        [sys.executable, "-m", "pearl.cli.main", "coordinator", str(config)],
+        env=cluster.env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+    def agents() -> list[dict[str, object]]:
+        try:
+            return list(json.loads(agents_file.read_text()))
+        except (FileNotFoundError, json.JSONDecodeError):
+            return []
+
+    try:
+        _wait(lambda: any(a["state"] == "alive" for a in agents()), 60, "the agent", cluster)
+        (agent,) = agents()
+        state = replay(journal).state
+        assert state is not None
+        elastic = sorted(g.gpu_id for g in state.gpus if g.allocation_id == "el0001")
+        assert sorted(agent["gpus"]) == elastic  # type: ignore[arg-type]
+        node = str(agent["node"])
+        # another tenant takes the node back: the agent reports, drains and leaves
+        cluster.run(
+            "sbatch",
+            "-p",
+            "owner",
+            "-w",
+            node,
+            "--gres=gpu:h20:2",
+            "-o",
+            "/dev/null",
+            "--wrap",
+            "sleep 60",
+        )
+        _wait(lambda: agents()[0]["state"] in ("preempted", "gone"), 30, "the drain", cluster)
+        _wait(lambda: "el0001" not in _granted(journal), 40, "the allocation's end", cluster)
+        assert coordinator.poll() is None  # the coordinator carries on
+    finally:
+        coordinator.terminate()
+        coordinator.communicate(timeout=30)
+        cluster.run("scancel", "-u", "root")

@@ -1,0 +1,74 @@
+"""The job payload of an elastic allocation: the node agent, one per node.
+
+submitit runs it once per node (one task per node). It starts ``pearl agent`` under
+``mpiexec`` (the agent must be an MPI process to connect to the coordinator; ``-launcher
+fork`` keeps Hydra from calling ``srun`` inside the job step) with the node's name
+(``SLURMD_NODENAME``) and its GPUs (``CUDA_VISIBLE_DEVICES``, as Slurm's gres set it), so
+the agent registers the same GPU ids the coordinator's state has (``NODE/INDEX``).
+
+Slurm's warning signal (USR2: preemption with its grace period, or the time limit) and
+SIGTERM are forwarded to the agent, which reports, drains its workers and disconnects; the
+payload then returns the agent's exit status. It replaces submitit's USR2 handler, which
+would requeue the allocation: an elastic allocation that is taken back is not requeued.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+
+
+@dataclass(frozen=True)
+class AgentPayload:
+    run_dir: str
+    gpu_type: str
+    engines: tuple[str, ...] = ()  # ROLE=CMD, as ``pearl agent --engine``
+    null_workers: bool = False  # record commands without launching engines
+    grace_s: float = 30.0
+
+    def command(self, node: str, gpus: str) -> list[str]:
+        mpiexec = str(Path(sys.executable).with_name("mpiexec"))
+        cmd = [
+            mpiexec,
+            "-launcher",
+            "fork",
+            "-n",
+            "1",
+            sys.executable,
+            "-m",
+            "pearl.control.agent",
+            "--run-dir",
+            self.run_dir,
+            "--node",
+            node,
+            "--gpus",
+            gpus,
+            "--gpu-type",
+            self.gpu_type,
+            "--grace-s",
+            str(self.grace_s),
+        ]
+        for engine in self.engines:
+            cmd += ["--engine", engine]
+        if self.null_workers:
+            cmd.append("--null-workers")
+        return cmd
+
+    def __call__(self) -> int:
+        node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+        gpus = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+        proc = subprocess.Popen(self.command(node, gpus))
+
+        def forward(signum: int, frame: FrameType | None) -> None:
+            if proc.poll() is None:
+                proc.send_signal(signum)
+
+        for sig in (signal.SIGUSR2, signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, forward)
+        return proc.wait()
