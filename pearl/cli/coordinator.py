@@ -16,13 +16,13 @@ from pathlib import Path
 from types import FrameType
 
 from pearl.cluster.agent_payload import AgentPayload
-from pearl.cluster.backend import AllocationBackend
+from pearl.cluster.backend import AllocationBackend, AllocationConfigError
 from pearl.cluster.local_backend import LocalBackend
 from pearl.cluster.slurm_backend import SlurmBackend
 from pearl.coordinator.config import CoordinatorConfig, load_config
 from pearl.coordinator.control import MpiControl
 from pearl.coordinator.loop import Coordinator, workload_file
-from pearl.io.documents import load_profile
+from pearl.io.documents import InputError, load_profile
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -85,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         coordinator.run(args.max_runtime_s, stop=lambda: bool(stopping["signal"]))
+    except AllocationConfigError as err:  # Slurm refused a value of the configuration
+        raise InputError(args.config, err.field_name, err.detail) from None
     finally:
         coordinator.close()
         if control is not None:

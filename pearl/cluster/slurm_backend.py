@@ -24,6 +24,8 @@ tests can count or replace them; submission goes through submitit's ``sbatch`` c
 
 from __future__ import annotations
 
+import contextlib
+import io
 import re
 import subprocess
 import time
@@ -158,7 +160,9 @@ class SlurmBackend:
         executor = submitit.SlurmExecutor(folder=self.folder / "%j")
         executor.update_parameters(**submitit_parameters(s))
         try:
-            job = executor.submit(self.payload)
+            # submitit echoes sbatch's stderr; the refusal is reported once, below
+            with contextlib.redirect_stderr(io.StringIO()):
+                job = executor.submit(self.payload)
         except FailedJobError as err:
             raise refusal_error(s, str(err)) from err
         self._track(s, str(job.job_id))

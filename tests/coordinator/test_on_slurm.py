@@ -175,3 +175,21 @@ def test_an_elastic_grant_brings_its_agent_and_a_preemption_takes_it_away(
         coordinator.terminate()
         coordinator.communicate(timeout=30)
         cluster.run("scancel", "-u", "root")
+
+
+def test_a_partition_slurm_refuses_is_one_clear_line(cluster: DevCluster, tmp_path: Path) -> None:
+    config = _config(tmp_path)
+    doc = yaml.safe_load(config.read_text())
+    doc["policy"]["elastic"]["partition"] = "nope"
+    config.write_text(yaml.safe_dump(doc), encoding="utf-8")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pearl.cli.main", "coordinator", str(config)],
+        env=cluster.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1
+    assert "coordinator.yaml: policy.elastic.partition: Slurm refused partition 'nope'" in lines[0]
