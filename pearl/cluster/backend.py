@@ -97,6 +97,11 @@ class AllocationBackend(Protocol):
         """Events since the last poll, in order; ``now_s`` is the run clock. Never blocks long."""
         ...
 
+    def reattach(self, request: ElasticRequest, allocation_id: str) -> bool:
+        """Watch the job an earlier coordinator submitted for ``allocation_id``; False
+        when there is none to find."""
+        ...
+
     def release(self, allocation_id: str) -> None:
         """Give the allocation back; its ``AllocationEnded(reason='released')`` follows."""
         ...

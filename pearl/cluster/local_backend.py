@@ -53,6 +53,10 @@ class LocalBackend:
         self._jobs[allocation_id] = executor.submit(self.payload)
         self._requests[allocation_id] = request
 
+    def reattach(self, request: ElasticRequest, allocation_id: str) -> bool:
+        """A local job cannot be found again by a restarted coordinator."""
+        return False
+
     def poll(self, now_s: float) -> list[Event]:
         return self._tracker.update(self._snapshot(a, now_s) for a in self._tracker.active())
 

@@ -12,9 +12,11 @@ Each tick (every ``decision_interval_s`` of the injected clock):
    journalled as not executed and the state stays the observed one, so the next
    decision plans it again.
 
-On start the loop replays the journal: the last state is the starting state, and
-submissions announced but never closed are reported (``Coordinator.unfinished``) for
-reconciliation with Slurm. The clock is injected; nothing here sleeps except ``run``.
+On start the loop replays the journal: the last state is the starting state; every
+allocation it holds live, and every submission announced but never closed, is found
+again in Slurm by its job name and watched (``backend.reattach``); one Slurm no longer
+knows ends, reason ``lost``, in the first observation. The clock is injected; nothing
+here sleeps except ``run``.
 """
 
 from __future__ import annotations
@@ -30,11 +32,11 @@ from pearl.coordinator.control import write_agents
 from pearl.coordinator.journal import Journal, replay
 from pearl.core.apply import apply_plan
 from pearl.core.decide import decide
-from pearl.core.decision import Decision
-from pearl.core.observation import Observation, TrainerStatus
+from pearl.core.decision import Decision, ElasticRequest
+from pearl.core.observation import AllocationEnded, Event, Observation, TrainerStatus
 from pearl.core.plan import TransitionPlan
 from pearl.core.profile import RuntimeProfile
-from pearl.core.state import ClusterState
+from pearl.core.state import AllocationKind, AllocationStatus, ClusterState
 from pearl.core.workload import WorkloadSnapshot
 from pearl.io.documents import parse, read_document
 
@@ -88,11 +90,42 @@ class Coordinator:
             + len(self.unfinished)
         )
         self.decisions = 0
+        self._lost: list[Event] = self._reattach()
+
+    def _reattach(self) -> list[Event]:
+        """After a restart: watch again every allocation the journal says is live, and
+        every submission announced but never closed; one that Slurm no longer knows ends
+        (``lost``) in the first observation."""
+        cfg = self.config.policy.elastic
+        live = (AllocationStatus.PENDING, AllocationStatus.GRANTED, AllocationStatus.PREEMPTING)
+        wanted = {
+            a.allocation_id: ElasticRequest(
+                a.num_gpus, a.gpu_type or cfg.gpu_type, cfg.partition, cfg.time_limit_min
+            )
+            for a in self.state.allocations
+            if a.kind is AllocationKind.ELASTIC and a.status in live
+        }
+        for intent in self.unfinished:
+            wanted.setdefault(
+                str(intent["id"]),
+                ElasticRequest(
+                    int(intent.get("num_gpus", cfg.gpus_per_allocation)),
+                    str(intent.get("gpu_type", cfg.gpu_type)),
+                    str(intent.get("partition", cfg.partition)),
+                    cfg.time_limit_min,
+                ),
+            )
+        lost: list[Event] = []
+        for aid, request in wanted.items():
+            if not self.backend.reattach(request, aid):
+                lost.append(AllocationEnded(allocation_id=aid, reason="lost"))
+        return lost
 
     def tick(self) -> Decision:
         now_s = self.clock()
+        lost, self._lost = self._lost, []
         obs = Observation(
-            events=tuple(self.backend.poll(now_s)),
+            events=(*lost, *self.backend.poll(now_s)),
             trainer=TrainerStatus(),
             workload=self.workload(),
         )

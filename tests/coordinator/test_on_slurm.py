@@ -121,7 +121,26 @@ def test_coordinator_job_gets_a_grant_and_resumes_after_a_requeue(
     )
     assert _granted(journal) == ["el0001"]
     assert "el0002" not in journal.read_text()  # resumed, did not ask again
+    # the resumed coordinator watches the job its predecessor submitted: when another
+    # tenant takes the node, the allocation ends in its state
+    state = replay(journal).state
+    assert state is not None
+    (node,) = {g.node for g in state.gpus if g.allocation_id == "el0001"}
+    cluster.run(
+        "sbatch",
+        "-p",
+        "owner",
+        "-w",
+        node,
+        "--gres=gpu:h20:2",
+        "-o",
+        "/dev/null",
+        "--wrap",
+        "sleep 60",
+    )
+    _wait(lambda: "el0001" not in _granted(journal), 60, "the end seen after resuming", cluster)
     cluster.run("scancel", job_id)
+    cluster.run("scancel", "-u", "root")
 
 
 def test_an_elastic_grant_brings_its_agent_and_a_preemption_takes_it_away(
