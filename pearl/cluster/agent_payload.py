@@ -8,8 +8,12 @@ the agent registers the same GPU ids the coordinator's state has (``NODE/INDEX``
 
 Slurm's warning signal (USR2: preemption with its grace period, or the time limit) and
 SIGTERM are forwarded to the agent, which reports, drains its workers and disconnects; the
-payload then returns the agent's exit status. It replaces submitit's USR2 handler, which
-would requeue the allocation: an elastic allocation that is taken back is not requeued.
+payload then returns the agent's exit status. When the coordinator goes silent (killed or
+requeued: the agent exits ``EXIT_COORDINATOR_LOST``), the payload keeps the allocation and
+starts a new agent as soon as the next coordinator writes a new port file (within
+``reconnect_s``), so elastic allocations outlive a coordinator's restart. It replaces
+submitit's USR2 handler, which would requeue the allocation: an elastic allocation that
+is taken back is not requeued.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -31,6 +36,7 @@ class AgentPayload:
     engines: tuple[str, ...] = ()  # ROLE=CMD, as ``pearl agent --engine``
     null_workers: bool = False  # record commands without launching engines
     grace_s: float = 30.0
+    reconnect_s: float = 600.0  # how long to wait for a requeued coordinator
 
     def command(self, node: str, gpus: str) -> list[str]:
         mpiexec = str(Path(sys.executable).with_name("mpiexec"))
@@ -63,12 +69,47 @@ class AgentPayload:
     def __call__(self) -> int:
         node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
         gpus = os.environ.get("CUDA_VISIBLE_DEVICES", "")
-        proc = subprocess.Popen(self.command(node, gpus))
+        procs: list[subprocess.Popen[bytes]] = []
+        signalled: list[int] = []
 
         def forward(signum: int, frame: FrameType | None) -> None:
-            if proc.poll() is None:
-                proc.send_signal(signum)
+            signalled.append(signum)
+            if procs and procs[-1].poll() is None:
+                procs[-1].send_signal(signum)
 
         for sig in (signal.SIGUSR2, signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, forward)
-        return proc.wait()
+        port_file = Path(self.run_dir) / "control" / "port.json"
+        while True:
+            seen = _stamp(port_file)
+            procs.append(subprocess.Popen(self.command(node, gpus)))
+            code = procs[-1].wait()
+            if code != EXIT_COORDINATOR_LOST or signalled:
+                return code
+            # The coordinator went silent (killed, or requeued): hold the allocation and
+            # connect to the next incarnation once it writes a new port file.
+            if not _wait_for_change(port_file, seen, self.reconnect_s, signalled):
+                return code
+
+
+EXIT_COORDINATOR_LOST = 3  # pearl.control.agent.EXIT_LOST
+
+
+def _stamp(path: Path) -> tuple[float, int] | None:
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    return (st.st_mtime, st.st_ino)
+
+
+def _wait_for_change(
+    path: Path, seen: tuple[float, int] | None, timeout_s: float, signalled: list[int]
+) -> bool:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end and not signalled:
+        stamp = _stamp(path)
+        if stamp is not None and stamp != seen:
+            return True
+        time.sleep(0.5)
+    return False

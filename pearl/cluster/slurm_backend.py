@@ -181,29 +181,33 @@ class SlurmBackend:
         self._track(s, job_id)
 
     def reattach(self, request: ElasticRequest, allocation_id: str) -> bool:
-        """Find the job a previous incarnation submitted for ``allocation_id`` (by its job
-        name, in accounting, so a job that ended meanwhile is found too) and watch it;
-        False when Slurm has no such job."""
+        """Find the job a previous incarnation submitted for ``allocation_id`` by its job
+        name and watch it: in ``squeue`` first (slurmctld knows a job at once; accounting
+        may lag), then in accounting (a job that ended meanwhile). False when Slurm has
+        no such job."""
         name = f"pearl-{self.run_id}-{allocation_id}"
-        try:
-            out = self._run(
-                [
-                    "sacct",
-                    "-X",
-                    "--noheader",
-                    "--parsable2",
-                    "--format=JobID",
-                    f"--name={name}",
-                    "--starttime=2000-01-01",
-                ]
-            )
-        except SlurmCommandError:
-            return False
-        ids = [line.strip() for line in out.splitlines() if line.strip()]
-        if not ids:
-            return False
-        self.adopt(request, allocation_id, ids[-1])
-        return True
+        queries = (
+            ["squeue", "--noheader", "--format=%i", f"--name={name}"],
+            [
+                "sacct",
+                "-X",
+                "--noheader",
+                "--parsable2",
+                "--format=JobID",
+                f"--name={name}",
+                "--starttime=2000-01-01",
+            ],
+        )
+        for query in queries:
+            try:
+                out = self._run(list(query))
+            except SlurmCommandError:
+                continue
+            ids = [line.strip() for line in out.splitlines() if line.strip()]
+            if ids:
+                self.adopt(request, allocation_id, ids[-1])
+                return True
+        return False
 
     def _track(self, s: Submission, job_id: str) -> None:
         self._tracker.add(s.allocation_id, s.request, s.gpus_per_node)

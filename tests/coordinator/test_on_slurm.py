@@ -174,6 +174,19 @@ def test_an_elastic_grant_brings_its_agent_and_a_preemption_takes_it_away(
         elastic = sorted(g.gpu_id for g in state.gpus if g.allocation_id == "el0001")
         assert sorted(agent["gpus"]) == elastic  # type: ignore[arg-type]
         node = str(agent["node"])
+        # the coordinator dies and comes back: the allocation holds, its agent reconnects
+        coordinator.kill()
+        coordinator.wait()
+        agents_file.unlink()
+        coordinator = subprocess.Popen(
+            [sys.executable, "-m", "pearl.cli.main", "coordinator", str(config)],
+            env=cluster.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        _wait(lambda: any(a["state"] == "alive" for a in agents()), 60, "the reconnect", cluster)
+        assert _granted(journal) == ["el0001"] and agents()[0]["node"] == node
         # another tenant takes the node back: the agent reports, drains and leaves
         cluster.run(
             "sbatch",
