@@ -1,0 +1,96 @@
+"""The sbatch templates on the dev cluster: the coordinator job requeues itself on Slurm's
+warning and resumes its journal; the heterogeneous base job starts both components."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+from slurm_cluster import REPO, DevCluster, dev_cluster
+
+from pearl.coordinator.journal import replay
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevCluster]:
+    for c in dev_cluster(tmp_path_factory, port_base="56800"):
+        c.env["PEARL"] = str(REPO / ".venv" / "bin" / "pearl")  # the templates' $PEARL
+        yield c
+
+
+def _wait(predicate, timeout_s: float, what: str, cluster: DevCluster) -> None:  # type: ignore[no-untyped-def]
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if predicate():
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}\n{cluster.run('squeue')}")
+
+
+def _state(cluster: DevCluster, job_id: str) -> str:
+    return cluster.run("squeue", "-h", "-j", job_id, "-o", "%T").strip()
+
+
+def test_coordinator_sbatch_requeues_itself_on_the_warning(
+    cluster: DevCluster, tmp_path: Path
+) -> None:
+    config = tmp_path / "coordinator.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "schema_version": 1,
+                "run_id": "tpl",
+                "run_dir": "run",
+                "profile": "qwen3-8b",
+                "backend": "local",
+                "gpus_per_node": {"h800": 8},
+                "decision_interval_s": 0.5,
+                "base": {"trainer": [{"name": "h800-1", "gpu_type": "h800", "num_gpus": 4}]},
+                "policy": {"elastic": {"rule": "never"}, "borrowing": {"rule": "never"}},
+            }
+        ),
+        encoding="utf-8",
+    )
+    out = cluster.run(
+        "sbatch",
+        "--parsable",
+        "-o",
+        str(tmp_path / "coord-%j.out"),
+        str(REPO / "slurm" / "coordinator.sbatch"),
+        str(config),
+    )
+    job_id = out.strip().split(";")[0]
+    journal = tmp_path / "run" / "journal.jsonl"
+    _wait(lambda: journal.exists() and replay(journal).num_records > 2, 60, "ticks", cluster)
+    before = replay(journal).num_records
+    # Slurm's warning, as before the time limit or at a preemption (--signal=B:USR2)
+    cluster.run("scancel", "--batch", "--signal=USR2", job_id)
+    _wait(lambda: _state(cluster, job_id) == "PENDING", 30, "the requeue", cluster)
+    cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+    _wait(lambda: replay(journal).num_records > before + 3, 60, "the next incarnation", cluster)
+    assert replay(journal).state is not None
+    cluster.run("scancel", job_id)
+
+
+def test_base_job_starts_both_components(cluster: DevCluster, tmp_path: Path) -> None:
+    out = cluster.run(
+        "sbatch",
+        "--parsable",
+        "-o",
+        str(tmp_path / "base-%j.out"),
+        str(REPO / "slurm" / "base-job.sbatch"),
+        str(tmp_path / "run"),
+    )
+    job_id = out.strip().split(";")[0]
+    _wait(
+        lambda: cluster.run("squeue", "-h", "-j", job_id, "-o", "%i %T").count("RUNNING") == 2,
+        30,
+        "both components running",
+        cluster,
+    )
+    components = cluster.run("squeue", "-h", "-j", job_id, "-o", "%i %N").split()
+    assert f"{job_id}+0" in components and f"{job_id}+1" in components
+    cluster.run("scancel", job_id)
