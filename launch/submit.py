@@ -3,11 +3,11 @@
     python launch/submit.py CONFIG [--partition train] [--time-min 1440] [--folder DIR]
 
 The coordinator runs as a checkpointable submitit job: when Slurm warns it (time limit
-or preemption; ``--signal=USR2@signal_delay_s``), submitit calls ``checkpoint`` and
-requeues the job with the same arguments, and the new incarnation replays the run's
-journal (``pearl coordinator``). The coordinator process itself is a child of the
-submitit task, so submitit's USR2 handler stays in charge of requeueing; the child is
-killed with the job and loses nothing (its journal is fsync'd before every action).
+or preemption; ``--signal=USR2@signal_delay_s``), submitit calls ``checkpoint``, which
+tells the coordinator (a child process) to stop after its tick and waits for it, and
+then requeues the job with the same arguments; the new incarnation replays the run's
+journal (``pearl coordinator``). A coordinator killed anyway loses nothing: its journal
+is fsync'd before every action.
 
 Prints the Slurm job id. ``--dry-run`` prints the sbatch script submitit would write.
 """
@@ -15,6 +15,7 @@ Prints the Slurm job id. ``--dry-run`` prints the sbatch script submitit would w
 from __future__ import annotations
 
 import argparse
+import signal
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -25,14 +26,33 @@ from submitit.helpers import Checkpointable, DelayedSubmission
 
 
 class CoordinatorJob(Checkpointable):
-    """``pearl coordinator CONFIG`` under submitit; requeued with the same arguments."""
+    """``pearl coordinator CONFIG`` under submitit; requeued with the same arguments.
+
+    On Slurm's warning submitit calls ``checkpoint``: the coordinator is told (USR2) and
+    given ``stop_wait_s`` to finish its tick before the job is requeued and killed.
+    """
+
+    def __init__(self, stop_wait_s: float = 60.0) -> None:
+        self.stop_wait_s = stop_wait_s
+        self._child: subprocess.Popen[bytes] | None = None
 
     def __call__(self, config: str) -> int:
         cmd = [sys.executable, "-m", "pearl.cli.main", "coordinator", config]
-        return subprocess.run(cmd, check=False).returncode
+        self._child = subprocess.Popen(cmd)
+        code = self._child.wait()
+        if code != 0:
+            raise RuntimeError(f"pearl coordinator exited with status {code}")
+        return code
 
     def checkpoint(self, config: str) -> DelayedSubmission:
-        return DelayedSubmission(CoordinatorJob(), config)
+        child = self._child
+        if child is not None and child.poll() is None:
+            child.send_signal(signal.SIGUSR2)
+            try:
+                child.wait(timeout=self.stop_wait_s)
+            except subprocess.TimeoutExpired:
+                child.kill()
+        return DelayedSubmission(CoordinatorJob(self.stop_wait_s), config)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -48,7 +68,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def executor(args: argparse.Namespace) -> submitit.AutoExecutor:
-    ex = submitit.AutoExecutor(folder=args.folder, slurm_max_num_timeout=args.max_requeues)
+    ex = submitit.AutoExecutor(
+        folder=args.folder, cluster="slurm", slurm_max_num_timeout=args.max_requeues
+    )
     ex.update_parameters(
         name=f"pearl-coordinator-{args.config.stem}",
         slurm_partition=args.partition,

@@ -9,7 +9,7 @@ the agent registers the same GPU ids the coordinator's state has (``NODE/INDEX``
 Slurm's warning signal (USR2: preemption with its grace period, or the time limit) and
 SIGTERM are forwarded to the agent, which reports, drains its workers and disconnects; the
 payload then returns the agent's exit status. When the coordinator goes silent (killed or
-requeued: the agent exits ``EXIT_COORDINATOR_LOST``), the payload keeps the allocation and
+requeued, or not reachable: the agent exits ``EXIT_LOST``), the payload keeps the allocation and
 starts a new agent as soon as the next coordinator writes a new port file (within
 ``reconnect_s``), so elastic allocations outlive a coordinator's restart. It replaces
 submitit's USR2 handler, which would requeue the allocation: an elastic allocation that
@@ -27,6 +27,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
+
+from pearl.control.agent import EXIT_LOST
 
 
 @dataclass(frozen=True)
@@ -81,18 +83,19 @@ class AgentPayload:
             signal.signal(sig, forward)
         port_file = Path(self.run_dir) / "control" / "port.json"
         while True:
+            if signalled:  # told to go before (or while) starting an agent
+                return 0
             seen = _stamp(port_file)
             procs.append(subprocess.Popen(self.command(node, gpus)))
+            if signalled:  # arrived while starting it: pass it on now
+                procs[-1].send_signal(signalled[-1])
             code = procs[-1].wait()
-            if code != EXIT_COORDINATOR_LOST or signalled:
+            if code != EXIT_LOST or signalled:
                 return code
             # The coordinator went silent (killed, or requeued): hold the allocation and
             # connect to the next incarnation once it writes a new port file.
             if not _wait_for_change(port_file, seen, self.reconnect_s, signalled):
                 return code
-
-
-EXIT_COORDINATOR_LOST = 3  # pearl.control.agent.EXIT_LOST
 
 
 def _stamp(path: Path) -> tuple[float, int] | None:

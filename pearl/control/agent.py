@@ -73,14 +73,20 @@ class Agent:
         for sig in (signal.SIGTERM, signal.SIGUSR2):
             signal.signal(sig, self._on_signal)
         mpi = load_mpi("funneled")
-        info = wait_port_file(self.run_dir, self.connect_timeout_s)
         try:
+            info = wait_port_file(self.run_dir, self.connect_timeout_s)
             sock = knock(info.knock_host, info.knock_port, info.token, self.agent_id)
         except KnockRefused as e:
             print(f"agent {self.agent_id}: refused: {e}", file=sys.stderr, flush=True)
             return EXIT_REFUSED
+        except OSError as e:  # no port file in time, or a stale one: no coordinator
+            print(f"agent {self.agent_id}: no coordinator: {e}", file=sys.stderr, flush=True)
+            return EXIT_LOST
         try:
             comm = mpi.COMM_SELF.Connect(info.port)
+        except mpi.Exception as e:
+            print(f"agent {self.agent_id}: connect failed: {e}", file=sys.stderr, flush=True)
+            return EXIT_LOST
         finally:
             sock.close()
         ch = Channel(mpi, comm)
@@ -189,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="pearl agent", description=__doc__.split("\n")[0])
     ap.add_argument("--run-dir", required=True, help="run directory holding control/port.json")
     ap.add_argument("--agent-id", default=None, help="default: NODE-JOBID-PID")
-    ap.add_argument("--node", default=socket.gethostname())
+    ap.add_argument("--node", default=os.environ.get("SLURMD_NODENAME") or socket.gethostname())
     ap.add_argument(
         "--gpus",
         default=os.environ.get("CUDA_VISIBLE_DEVICES", ""),

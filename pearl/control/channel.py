@@ -61,13 +61,13 @@ class Channel:
             if not self.comm.Iprobe(source=0, tag=TAG, status=st):
                 return None
             n = st.Get_count(self._mpi.BYTE)
+            if n > MAX_MESSAGE_BYTES:  # refuse before allocating: the peer is dropped
+                self.error = f"peer sent {n} bytes, over {MAX_MESSAGE_BYTES}"
+                return None
             buf = bytearray(max(n, 0))
             self.comm.Recv([buf, self._mpi.BYTE], source=0, tag=TAG)
         except self._mpi.Exception as e:
             self.error = f"receive failed: {e.Get_error_string()}"
-            return None
-        if n > MAX_MESSAGE_BYTES:
-            self.error = f"peer sent {n} bytes, over {MAX_MESSAGE_BYTES}"
             return None
         return bytes(buf)
 

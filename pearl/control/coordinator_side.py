@@ -142,6 +142,11 @@ class ControlServer:
             t.start()
 
     # ------------------------------------------------------------------ public API
+    def agents_snapshot(self) -> list[AgentInfo]:
+        """Every agent known, copied under the lock (the io thread adds to them)."""
+        with self._lock:
+            return list(self.agents.values())
+
     def alive_agents(self) -> dict[str, AgentInfo]:
         with self._lock:
             return {a: i for a, i in self.agents.items() if i.state == "alive"}

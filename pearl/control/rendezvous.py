@@ -14,6 +14,7 @@ import contextlib
 import hmac
 import json
 import socket
+import time
 from dataclasses import dataclass
 
 KNOCK_VERSION = 1
@@ -32,8 +33,15 @@ class Knock:
 
 
 def _read_line(sock: socket.socket) -> bytes:
+    """One line within ``KNOCK_TIMEOUT_S`` in all (a peer trickling bytes cannot hold
+    the listener longer)."""
+    deadline = time.monotonic() + KNOCK_TIMEOUT_S
     data = b""
     while not data.endswith(b"\n"):
+        remaining_s = deadline - time.monotonic()
+        if remaining_s <= 0:
+            raise TimeoutError("knock line not complete in time")
+        sock.settimeout(remaining_s)
         chunk = sock.recv(MAX_LINE)
         if not chunk:
             break

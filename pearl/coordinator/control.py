@@ -35,7 +35,7 @@ class MpiControl:
                 "job_id": a.job_id,
                 "state": a.state,
             }
-            for a in self.server.agents.values()
+            for a in self.server.agents_snapshot()
         ]
 
     def close(self) -> None:

@@ -9,11 +9,12 @@ what it had started and what it had finished:
 - ``intent``: an action about to be taken (``submit``, ``release``, ``plan``), with an id;
 - ``done``: the action with that id finished (``ok`` and an ``error`` if it failed).
 
-``replay`` reads the journal back: the last state, and the intents with no ``done``
-(the coordinator reconciles those with Slurm and the agents before carrying on). Each
-line is flushed and fsync'd before the action it announces, so a crash loses at most the
-line being written: a truncated *last* line is skipped and counted; a malformed line
-anywhere else is corruption and raises an ``InputError`` naming the file and line.
+``replay`` reads the journal back: the last state, the intents with no ``done``, and
+every submission (the coordinator finds those allocations again in Slurm). Each line is
+flushed and fsync'd before the action it announces, so a crash loses at most the line
+being written: a last line without its newline is dropped (and cut off when the journal
+is opened again, ``valid_bytes``); a malformed line anywhere else is corruption and
+raises an ``InputError`` naming the file and line.
 
 Invariants: ``seq`` increases by one per record from 0; replaying a journal and
 appending to it continues the sequence; the state a replay returns is the last one
@@ -41,9 +42,11 @@ _KINDS = ("state", "intent", "done")
 class Replay:
     state: ClusterState | None = None
     open_intents: dict[str, dict[str, Any]] = field(default_factory=dict)  # id -> intent
+    submitted: dict[str, dict[str, Any]] = field(default_factory=dict)  # every submit intent
     next_seq: int = 0
     num_records: int = 0
     truncated_tail: bool = False  # the last line was cut short (a crash while writing)
+    valid_bytes: int = 0  # length of the journal up to its last complete record
 
 
 def replay(path: Path) -> Replay:
@@ -51,19 +54,18 @@ def replay(path: Path) -> Replay:
     out = Replay()
     if not path.exists():
         return out
-    with path.open("r", encoding="utf-8") as f:
-        lines = f.read().split("\n")
-    last = len(lines) - 1 if lines and lines[-1] == "" else len(lines)
-    for number, line in enumerate(lines[:last], start=1):
+    data = path.read_bytes()
+    lines = data.split(b"\n")
+    if lines[-1]:  # no newline at the end: the last write was cut short, drop it
+        out.truncated_tail = True
+    for number, line in enumerate(lines[:-1], start=1):
         try:
             record = json.loads(line)
             _check(record, out.next_seq)
-        except (json.JSONDecodeError, ValueError) as err:
-            if number == last and lines[-1] != "":
-                out.truncated_tail = True  # no newline: the write was cut short
-                break
+        except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as err:
             raise InputError(path, f"line {number}", f"corrupt journal record: {err}") from None
         _apply(out, record, path, number)
+        out.valid_bytes += len(line) + 1
     return out
 
 
@@ -90,6 +92,8 @@ def _apply(out: Replay, record: dict[str, Any], path: Path, number: int) -> None
             raise InputError(path, f"line {number}", f"invalid state: {err}") from None
     elif kind == "intent":
         out.open_intents[str(data.get("id"))] = data
+        if data.get("action") == "submit":
+            out.submitted[str(data.get("id"))] = data
     else:
         out.open_intents.pop(str(data.get("id")), None)
     out.next_seq += 1
@@ -99,9 +103,15 @@ def _apply(out: Replay, record: dict[str, Any], path: Path, number: int) -> None
 class Journal:
     """Appends records; open it after ``replay`` so the sequence continues."""
 
-    def __init__(self, path: Path, next_seq: int = 0) -> None:
+    def __init__(self, path: Path, next_seq: int = 0, valid_bytes: int | None = None) -> None:
+        """``valid_bytes`` (from ``replay``): cut a record left half-written by a crash
+        before appending, so it does not end up in the middle of the journal."""
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path, self.seq = path, next_seq
+        if valid_bytes is not None and path.exists() and path.stat().st_size > valid_bytes:
+            with path.open("r+b") as f:
+                f.truncate(valid_bytes)
+                os.fsync(f.fileno())
         self._file: IO[str] = path.open("a", encoding="utf-8")
 
     def append(self, kind: Kind, data: dict[str, Any], t: float) -> int:

@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
-from pearl.cluster.backend import AllocationBackend
+from pearl.cluster.backend import AllocationBackend, AllocationConfigError
 from pearl.coordinator.config import CoordinatorConfig, initial_state
 from pearl.coordinator.control import write_agents
 from pearl.coordinator.journal import Journal, replay
@@ -82,13 +83,14 @@ class Coordinator:
         self.agents_path = run_dir / "agents.json"
         past = replay(self.journal_path)
         self.state: ClusterState = past.state or initial_state(config)
-        self.unfinished = [i for i in past.open_intents.values() if i.get("action") == "submit"]
-        self.journal = Journal(self.journal_path, past.next_seq)
-        self._next_allocation = (
-            1
-            + sum(1 for a in self.state.allocations if a.allocation_id.startswith("el"))
-            + len(self.unfinished)
-        )
+        known = {a.allocation_id for a in self.state.allocations}
+        # Submissions whose allocation the journalled state does not hold yet (announced and
+        # maybe made just before a stop): found again in Slurm like the live ones.
+        self.unfinished = [i for aid, i in past.submitted.items() if aid not in known]
+        self.journal = Journal(self.journal_path, past.next_seq, past.valid_bytes)
+        used = [_number(aid) for aid in (*known, *past.submitted)]
+        self._next_allocation = 1 + max(used, default=0)  # never an id used before
+        self._next_intent = past.next_seq  # plan and release intents: unique across restarts
         self.decisions = 0
         self._lost: list[Event] = self._reattach()
 
@@ -144,15 +146,18 @@ class Coordinator:
                 num_gpus=request.num_gpus,
                 partition=request.partition,
             )
-            self.backend.submit(request, aid)
-            self.journal.done(aid, now_s)
+            self._act(
+                aid,
+                now_s,
+                partial(self.backend.submit, request, aid),
+                retry=partial(self.backend.reattach, request, aid),
+            )
         for aid in d.elastic.releases:
-            intent = f"release-{aid}"
+            intent = f"release-{aid}-{self._new_intent()}"
             self.journal.intent(intent, "release", now_s, allocation_id=aid)
-            self.backend.release(aid)
-            self.journal.done(intent, now_s)
+            self._act(intent, now_s, partial(self.backend.release, aid))
         if not d.plan.empty:
-            intent = f"plan-{self.decisions}"
+            intent = f"plan-{self._new_intent()}"
             self.journal.intent(intent, "plan", now_s, num_steps=len(d.plan.steps))
             if self.control is not None and self.control.execute(d.plan):
                 self.state = apply_plan(d.state, d.plan, now_s)
@@ -165,15 +170,50 @@ class Coordinator:
             write_agents(self.agents_path, self.control.agents())
         return d
 
+    def _new_intent(self) -> int:
+        self._next_intent += 1
+        return self._next_intent
+
+    def _act(
+        self,
+        intent: str,
+        now_s: float,
+        action: Callable[[], object],
+        retry: Callable[[], bool] | None = None,
+    ) -> None:
+        """Run an announced action and close its intent. A configuration Slurm refuses
+        ends the coordinator (the caller maps it to exit 2); any other failure (slurmctld
+        busy, a timeout) is journalled and the run goes on: the next decision asks again.
+        A submission that failed may still have reached Slurm: ``retry`` looks for it."""
+        try:
+            action()
+        except AllocationConfigError:
+            self.journal.done(intent, now_s, ok=False, error="refused by Slurm")
+            raise
+        except Exception as err:  # any other backend failure is journalled, not fatal
+            if retry is not None and retry():
+                self.journal.done(intent, now_s)
+                return
+            self.journal.done(intent, now_s, ok=False, error=f"{type(err).__name__}: {err}")
+            return
+        self.journal.done(intent, now_s)
+
     def run(self, max_runtime_s: float | None = None, stop: Callable[[], bool] = bool) -> None:
         """Tick every ``decision_interval_s`` until ``max_runtime_s`` (None: forever) or
-        until ``stop()`` (a signal handler's flag) says so."""
+        until ``stop()`` (a signal handler's flag) says so, checked between ticks and
+        while waiting (a signal never buys another tick)."""
         start_s = self.clock()
-        while max_runtime_s is None or self.clock() - start_s < max_runtime_s:
+        while not stop() and (max_runtime_s is None or self.clock() - start_s < max_runtime_s):
             self.tick()
-            if stop():
-                return
-            time.sleep(self.config.decision_interval_s)
+            wake_s = time.monotonic() + self.config.decision_interval_s
+            while not stop() and time.monotonic() < wake_s:
+                time.sleep(min(0.1, self.config.decision_interval_s))
 
     def close(self) -> None:
         self.journal.close()
+
+
+def _number(allocation_id: str) -> int:
+    """The number of an elastic allocation id (``el0007`` -> 7); 0 for any other id."""
+    digits = allocation_id.removeprefix("el")
+    return int(digits) if allocation_id.startswith("el") and digits.isdigit() else 0

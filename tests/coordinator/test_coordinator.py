@@ -129,3 +129,37 @@ def test_a_bad_elastic_gpu_type_is_one_clear_line(tmp_path: Path, capsys) -> Non
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1
     assert "coordinator.yaml: policy.elastic.gpu_type: 'b200' is not in gpus_per_node" in err[0]
+
+
+def test_allocation_ids_are_never_reused_across_restarts(tmp_path: Path) -> None:
+    """A coordinator stopped right after submitting (the allocation is in the journal's
+    intents but not yet in its state) must not hand the same id to a new job."""
+    from pearl.cluster.local_backend import LocalBackend
+    from pearl.coordinator.config import load_config
+    from pearl.coordinator.loop import Coordinator, workload_file
+    from pearl.io.documents import load_profile
+
+    config, run_dir = load_config(_config(tmp_path))
+    profile = load_profile(config.profile)
+
+    def coordinator(clock_s: float) -> Coordinator:
+        return Coordinator(
+            config,
+            profile,
+            run_dir,
+            LocalBackend(run_dir / "jobs"),
+            clock=lambda: clock_s,
+            workload=workload_file(run_dir / "workload.json"),
+        )
+
+    first = coordinator(1.0)
+    first.tick()  # submits el0001; it reaches the state only at the next observation
+    first.close()
+    second = coordinator(2.0)
+    assert [i["id"] for i in second.unfinished] == ["el0001"]
+    second.tick()  # el0001 cannot be found again (local): it ends as lost, el0002 follows
+    second.close()
+    text = (run_dir / "journal.jsonl").read_text()
+    assert text.count('"id":"el0001","action":"submit"') == 1
+    assert '"id":"el0002","action":"submit"' in text
+    _kill_local_jobs(run_dir / "jobs")

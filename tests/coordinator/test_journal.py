@@ -101,3 +101,19 @@ def test_a_writer_killed_with_sigkill_loses_nothing_it_acknowledged(tmp_path: Pa
     assert r.num_records >= 100
     # intents and their done records come in pairs: at most the last intent is open
     assert len(r.open_intents) <= 1
+
+
+def test_a_record_cut_short_is_cut_off_before_the_next_writes(tmp_path: Path) -> None:
+    """Reopened after a crash mid-write, the journal stays readable: the partial record
+    does not end up in the middle."""
+    path = tmp_path / "journal.jsonl"
+    with Journal(path) as j:
+        j.state(_state(), t=0.0)
+    with path.open("a") as f:
+        f.write('{"v":1,"seq":1,"t":1.0,"kind":"intent","data":{"id":"x"}}')  # no newline
+    r = replay(path)
+    assert r.truncated_tail and r.next_seq == 1
+    with Journal(path, r.next_seq, r.valid_bytes) as j:
+        j.intent("y", "plan", t=2.0)
+    again = replay(path)
+    assert (again.num_records, again.truncated_tail, list(again.open_intents)) == (2, False, ["y"])
