@@ -243,7 +243,12 @@ class ControlServer:
 
     def _accept_loop(self) -> None:
         while not self._stop.is_set():
-            k = self._knock.poll()
+            try:
+                k = self._knock.poll()
+            except OSError as e:  # e.g. out of file descriptors: keep listening
+                log.warning("knock listener: %s", e)
+                time.sleep(0.5)
+                continue
             if k is None:
                 continue
             try:
@@ -265,22 +270,31 @@ class ControlServer:
 
     def _io_loop(self) -> None:
         while not self._stop.is_set():
-            busy = False
-            while not self._new_comms.empty():
-                comm = self._new_comms.get()
-                self._unauth.append(_Conn(Channel(self._mpi, comm), time.monotonic()))
-            while not self._outbox.empty():
-                agent_id, msg = self._outbox.get()
-                conn = self._conns.get(agent_id)
-                if conn is not None:
-                    conn.channel.send(msg)
-                    busy = True
-            for conn in [*self._unauth, *self._conns.values()]:
-                busy |= self._service(conn)
-            self._heartbeats()
-            if not busy:
-                time.sleep(0.0003)
-        # final flush of Byes
+            try:
+                self._io_round()
+            except Exception:  # one bad round must not end every connection's service
+                log.exception("control io round failed")
+                time.sleep(0.1)
+        self._flush_byes()
+
+    def _io_round(self) -> None:
+        busy = False
+        while not self._new_comms.empty():
+            comm = self._new_comms.get()
+            self._unauth.append(_Conn(Channel(self._mpi, comm), time.monotonic()))
+        while not self._outbox.empty():
+            agent_id, msg = self._outbox.get()
+            conn = self._conns.get(agent_id)
+            if conn is not None:
+                conn.channel.send(msg)
+                busy = True
+        for conn in [*self._unauth, *self._conns.values()]:
+            busy |= self._service(conn)
+        self._heartbeats()
+        if not busy:
+            time.sleep(0.0003)
+
+    def _flush_byes(self) -> None:
         end = time.monotonic() + 0.5
         while time.monotonic() < end and not all(
             c.channel.progress() for c in self._conns.values()

@@ -92,6 +92,7 @@ class Coordinator:
         self._next_allocation = 1 + max(used, default=0)  # never an id used before
         self._next_intent = past.next_seq  # plan and release intents: unique across restarts
         self.decisions = 0
+        self._journalled: ClusterState | None = past.state
         self._lost: list[Event] = self._reattach()
 
     def _reattach(self) -> list[Event]:
@@ -134,7 +135,9 @@ class Coordinator:
         d = decide(self.state, obs, self.config.policy, self.profile, now_s)
         self.decisions += 1
         self.state = d.state
-        self.journal.state(d.state, now_s)
+        if not _same(d.state, self._journalled):  # an unchanged state is not written again
+            self.journal.state(d.state, now_s)
+            self._journalled = d.state
         for request in d.elastic.requests:
             aid = f"el{self._next_allocation:04d}"
             self._next_allocation += 1
@@ -162,6 +165,7 @@ class Coordinator:
             if self.control is not None and self.control.execute(d.plan):
                 self.state = apply_plan(d.state, d.plan, now_s)
                 self.journal.state(self.state, now_s)
+                self._journalled = self.state
                 self.journal.done(intent, now_s)
             else:
                 why = "no control plane" if self.control is None else "not acknowledged"
@@ -217,3 +221,10 @@ def _number(allocation_id: str) -> int:
     """The number of an elastic allocation id (``el0007`` -> 7); 0 for any other id."""
     digits = allocation_id.removeprefix("el")
     return int(digits) if allocation_id.startswith("el") and digits.isdigit() else 0
+
+
+def _same(a: ClusterState, b: ClusterState | None) -> bool:
+    """Equal but for the clock (every decision moves it)."""
+    return b is not None and a.model_copy(update={"time_s": 0.0}) == b.model_copy(
+        update={"time_s": 0.0}
+    )
