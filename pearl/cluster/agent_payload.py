@@ -116,3 +116,26 @@ def _wait_for_change(
             return True
         time.sleep(0.5)
     return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m pearl.cluster.agent_payload --run-dir D --gpu-type T``: the same loop
+    for jobs not submitted through submitit (``slurm/base-job.sbatch``)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m pearl.cluster.agent_payload")
+    ap.add_argument("--run-dir", required=True)
+    ap.add_argument("--gpu-type", required=True)
+    ap.add_argument("--engine", action="append", default=[], metavar="ROLE=CMD")
+    ap.add_argument("--null-workers", action="store_true")
+    ap.add_argument("--grace-s", type=float, default=30.0)
+    ap.add_argument("--reconnect-s", type=float, default=600.0)
+    a = ap.parse_args(argv)
+    payload = AgentPayload(
+        a.run_dir, a.gpu_type, tuple(a.engine), a.null_workers, a.grace_s, a.reconnect_s
+    )
+    return payload()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

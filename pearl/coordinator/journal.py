@@ -23,6 +23,7 @@ written, validated (``ClusterState``).
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 from dataclasses import dataclass, field
@@ -108,6 +109,12 @@ class Journal:
         before appending, so it does not end up in the middle of the journal."""
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path, self.seq = path, next_seq
+        self._lock = path.with_name(path.name + ".lock").open("a")
+        try:  # one writer per journal: a second coordinator on the run stops here
+            fcntl.flock(self._lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock.close()
+            raise InputError(path, "", "another coordinator is writing this journal") from None
         if valid_bytes is not None and path.exists() and path.stat().st_size > valid_bytes:
             with path.open("r+b") as f:
                 f.truncate(valid_bytes)
@@ -135,6 +142,8 @@ class Journal:
     def close(self) -> None:
         if not self._file.closed:
             self._file.close()
+        if not self._lock.closed:
+            self._lock.close()  # releases the lock
 
     def __enter__(self) -> Journal:
         return self

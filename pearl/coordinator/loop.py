@@ -92,7 +92,7 @@ class Coordinator:
         self._next_allocation = 1 + max(used, default=0)  # never an id used before
         self._next_intent = past.next_seq  # plan and release intents: unique across restarts
         self.decisions = 0
-        self._journalled: ClusterState | None = past.state
+        self._journalled: ClusterState | None = None  # each incarnation writes its first
         self._lost: list[Event] = self._reattach()
 
     def _reattach(self) -> list[Event]:
@@ -224,7 +224,6 @@ def _number(allocation_id: str) -> int:
 
 
 def _same(a: ClusterState, b: ClusterState | None) -> bool:
-    """Equal but for the clock (every decision moves it)."""
-    return b is not None and a.model_copy(update={"time_s": 0.0}) == b.model_copy(
-        update={"time_s": 0.0}
-    )
+    """Equal but for the clock and the version counter (every decision moves both)."""
+    still = {"time_s": 0.0, "version": 0}
+    return b is not None and a.model_copy(update=still) == b.model_copy(update=still)

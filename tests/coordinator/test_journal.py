@@ -117,3 +117,13 @@ def test_a_record_cut_short_is_cut_off_before_the_next_writes(tmp_path: Path) ->
         j.intent("y", "plan", t=2.0)
     again = replay(path)
     assert (again.num_records, again.truncated_tail, list(again.open_intents)) == (2, False, ["y"])
+
+
+def test_a_second_writer_is_refused_while_the_first_holds_the_journal(tmp_path: Path) -> None:
+    path = tmp_path / "journal.jsonl"
+    with Journal(path) as first:
+        first.state(_state(), t=0.0)
+        with pytest.raises(InputError, match="another coordinator is writing this journal"):
+            Journal(path, 1)
+    with Journal(path, replay(path).next_seq) as again:  # released on close
+        again.intent("x", "plan", t=1.0)

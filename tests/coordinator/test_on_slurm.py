@@ -70,6 +70,15 @@ def _granted(journal: Path) -> list[str]:
     ]
 
 
+def _restarts(cluster: DevCluster, job_id: str) -> int:
+    out = cluster.run("scontrol", "show", "job", job_id)
+    return int(out.split("Restarts=")[1].split()[0]) if "Restarts=" in out else 0
+
+
+def _state(cluster: DevCluster, job_id: str) -> str:
+    return cluster.run("squeue", "-h", "-j", job_id, "-o", "%T").strip()
+
+
 def _wait(predicate, timeout_s: float, what: str, cluster: DevCluster) -> None:  # type: ignore[no-untyped-def]
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
@@ -106,7 +115,6 @@ def test_coordinator_job_gets_a_grant_and_resumes_after_a_requeue(
     assert state is not None
     nodes = {g.node for g in state.gpus if g.allocation_id == "el0001"}
     assert nodes <= {"h20-1", "h20-2"} and len(nodes) == 1
-    records = replay(journal).num_records
     cluster.run("scontrol", "requeue", job_id)
     # A requeued job waits out a BeginTime (Slurm's requeue delay); start it now.
     _wait(
@@ -117,8 +125,12 @@ def test_coordinator_job_gets_a_grant_and_resumes_after_a_requeue(
     )
     cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
     _wait(
-        lambda: replay(journal).num_records > records + 4, 90, "the requeued coordinator", cluster
+        lambda: _restarts(cluster, job_id) >= 1 and _state(cluster, job_id) == "RUNNING",
+        90,
+        "the requeued coordinator",
+        cluster,
     )
+    time.sleep(3)  # a few ticks of the new incarnation
     assert _granted(journal) == ["el0001"]
     assert "el0002" not in journal.read_text()  # resumed, did not ask again
     # the resumed coordinator watches the job its predecessor submitted: when another
