@@ -6,7 +6,7 @@ from collections import Counter
 from datetime import datetime
 
 import pytest
-from cluster_traces import traces_or_skip
+from trace_files import traces_or_skip
 
 from pearl.cluster.slurm_text import (
     SQUEUE_FORMAT,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from slurm_cluster import REPO, DevCluster, dev_cluster
+from slurm_cluster import REPO, DevCluster, dev_cluster, wait_for
 
 from pearl.coordinator.journal import replay
 from pearl.core.state import AllocationStatus
@@ -59,6 +59,24 @@ def _config(tmp_path: Path) -> Path:
     return path
 
 
+def _coordinator(cluster: DevCluster, config: Path) -> subprocess.Popen[str]:
+    """``pearl coordinator CONFIG`` as its own process, a client of the dev cluster."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "pearl.cli.main", "coordinator", str(config)],
+        env=cluster.env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _take_back(cluster: DevCluster, node: str) -> None:
+    """Another tenant takes ``node`` back: a job in ``owner`` preempts the elastic one."""
+    cluster.sbatch(
+        "-p", "owner", "-w", node, "--gres=gpu:h20:2", "-o", "/dev/null", "--wrap", "sleep 60"
+    )
+
+
 def _granted(journal: Path) -> list[str]:
     state = replay(journal).state if journal.exists() else None
     if state is None:
@@ -68,24 +86,6 @@ def _granted(journal: Path) -> list[str]:
         for a in state.allocations
         if a.status is AllocationStatus.GRANTED and a.allocation_id != "base"
     ]
-
-
-def _restarts(cluster: DevCluster, job_id: str) -> int:
-    out = cluster.run("scontrol", "show", "job", job_id)
-    return int(out.split("Restarts=")[1].split()[0]) if "Restarts=" in out else 0
-
-
-def _state(cluster: DevCluster, job_id: str) -> str:
-    return cluster.run("squeue", "-h", "-j", job_id, "-o", "%T").strip()
-
-
-def _wait(predicate, timeout_s: float, what: str, cluster: DevCluster) -> None:  # type: ignore[no-untyped-def]
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if predicate():
-            return
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}\n{cluster.run('squeue')}\n{cluster.logs()}")
 
 
 def test_coordinator_job_gets_a_grant_and_resumes_after_a_requeue(
@@ -110,22 +110,22 @@ def test_coordinator_job_gets_a_grant_and_resumes_after_a_requeue(
     )
     assert submit.returncode == 0, submit.stderr
     job_id = submit.stdout.strip().splitlines()[-1]
-    _wait(lambda: _granted(journal) == ["el0001"], 60, "the elastic grant", cluster)
+    wait_for(lambda: _granted(journal) == ["el0001"], 60, "the elastic grant", cluster)
     state = replay(journal).state
     assert state is not None
     nodes = {g.node for g in state.gpus if g.allocation_id == "el0001"}
     assert nodes <= {"h20-1", "h20-2"} and len(nodes) == 1
     cluster.run("scontrol", "requeue", job_id)
     # A requeued job waits out a BeginTime (Slurm's requeue delay); start it now.
-    _wait(
-        lambda: "PENDING" in cluster.run("squeue", "-h", "-j", job_id, "-o", "%T"),
+    wait_for(
+        lambda: cluster.job_state(job_id) == "PENDING",
         30,
         "the requeue",
         cluster,
     )
     cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
-    _wait(
-        lambda: _restarts(cluster, job_id) >= 1 and _state(cluster, job_id) == "RUNNING",
+    wait_for(
+        lambda: cluster.restarts(job_id) >= 1 and cluster.job_state(job_id) == "RUNNING",
         90,
         "the requeued coordinator",
         cluster,
@@ -138,19 +138,8 @@ def test_coordinator_job_gets_a_grant_and_resumes_after_a_requeue(
     state = replay(journal).state
     assert state is not None
     (node,) = {g.node for g in state.gpus if g.allocation_id == "el0001"}
-    cluster.run(
-        "sbatch",
-        "-p",
-        "owner",
-        "-w",
-        node,
-        "--gres=gpu:h20:2",
-        "-o",
-        "/dev/null",
-        "--wrap",
-        "sleep 60",
-    )
-    _wait(lambda: "el0001" not in _granted(journal), 60, "the end seen after resuming", cluster)
+    _take_back(cluster, node)
+    wait_for(lambda: "el0001" not in _granted(journal), 60, "the end seen after resuming", cluster)
     cluster.run("scancel", job_id)
     cluster.run("scancel", "-u", "root")
 
@@ -164,13 +153,7 @@ def test_an_elastic_grant_brings_its_agent_and_a_preemption_takes_it_away(
     config.write_text(yaml.safe_dump(doc), encoding="utf-8")
     run = tmp_path / "run"
     journal, agents_file = run / "journal.jsonl", run / "agents.json"
-    coordinator = subprocess.Popen(
-        [sys.executable, "-m", "pearl.cli.main", "coordinator", str(config)],
-        env=cluster.env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    coordinator = _coordinator(cluster, config)
 
     def agents() -> list[dict[str, object]]:
         try:
@@ -179,7 +162,7 @@ def test_an_elastic_grant_brings_its_agent_and_a_preemption_takes_it_away(
             return []
 
     try:
-        _wait(lambda: any(a["state"] == "alive" for a in agents()), 60, "the agent", cluster)
+        wait_for(lambda: any(a["state"] == "alive" for a in agents()), 60, "the agent", cluster)
         (agent,) = agents()
         state = replay(journal).state
         assert state is not None
@@ -190,30 +173,13 @@ def test_an_elastic_grant_brings_its_agent_and_a_preemption_takes_it_away(
         coordinator.kill()
         coordinator.wait()
         agents_file.unlink()
-        coordinator = subprocess.Popen(
-            [sys.executable, "-m", "pearl.cli.main", "coordinator", str(config)],
-            env=cluster.env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        _wait(lambda: any(a["state"] == "alive" for a in agents()), 60, "the reconnect", cluster)
+        coordinator = _coordinator(cluster, config)
+        wait_for(lambda: any(a["state"] == "alive" for a in agents()), 60, "the reconnect", cluster)
         assert _granted(journal) == ["el0001"] and agents()[0]["node"] == node
         # another tenant takes the node back: the agent reports, drains and leaves
-        cluster.run(
-            "sbatch",
-            "-p",
-            "owner",
-            "-w",
-            node,
-            "--gres=gpu:h20:2",
-            "-o",
-            "/dev/null",
-            "--wrap",
-            "sleep 60",
-        )
-        _wait(lambda: agents()[0]["state"] in ("preempted", "gone"), 30, "the drain", cluster)
-        _wait(lambda: "el0001" not in _granted(journal), 40, "the allocation's end", cluster)
+        _take_back(cluster, node)
+        wait_for(lambda: agents()[0]["state"] in ("preempted", "gone"), 30, "the drain", cluster)
+        wait_for(lambda: "el0001" not in _granted(journal), 40, "the allocation's end", cluster)
         assert coordinator.poll() is None  # the coordinator carries on
     finally:
         coordinator.terminate()

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from sim_traces import traces_or_skip
+from trace_files import traces_or_skip
 
 from pearl.sim.availability import Window, open_gpus_at, synthetic_windows, windows_from_idle_series
 from pearl.traces import HELIOS_VC, read_helios_idle

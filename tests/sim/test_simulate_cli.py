@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import sim_fixtures as F
 import yaml
-from sim_traces import traces_or_skip
+from trace_files import traces_or_skip
 
 from pearl.cli.main import main
 from pearl.io.runlog import ReadStats, read_records

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from sim_traces import traces_or_skip
+from trace_files import traces_or_skip
 
 from pearl.io.documents import InputError
 from pearl.traces import (

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from sim_traces import traces_or_skip
+from trace_files import traces_or_skip
 
 from pearl.sim.distributions import fit_distribution, mean_of, rescaled, sample
 from pearl.sim.trajectories import (

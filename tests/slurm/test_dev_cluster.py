@@ -8,136 +8,29 @@ they run and fail loudly.
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "slurm" / "dev-cluster"
-GRACE_S = 10  # GraceTime of the elastic partition (script default)
-PORT_BASE = "26800"  # away from the default cluster's ports (16800+)
-SLURM_TOOLS = ("slurmctld", "slurmd", "slurmdbd", "munged", "mariadbd", "sbatch", "sacct")
-
-
-def _cannot_start_reason() -> str | None:
-    if not sys.platform.startswith("linux"):
-        return "the Slurm dev cluster needs Linux"
-    if os.geteuid() != 0:
-        return "the Slurm dev cluster needs root (it starts munged, slurmctld, slurmd as root)"
-    have_tools = all(shutil.which(t) or Path("/usr/sbin", t).exists() for t in SLURM_TOOLS)
-    if not have_tools and shutil.which("apt-get") is None:
-        return "Slurm is not installed and there is no apt-get to install it"
-    return None
-
-
-@dataclass
-class Cluster:
-    state_dir: Path
-    env: dict[str, str]
-    work: Path
-
-    def run(self, *cmd: str, timeout: float = 60, check: bool = True) -> str:
-        proc = subprocess.run(
-            cmd, env=self.env, capture_output=True, text=True, timeout=timeout, cwd=self.work
-        )
-        if check and proc.returncode != 0:
-            raise AssertionError(
-                f"{' '.join(cmd)} exited {proc.returncode}\n"
-                f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
-            )
-        return proc.stdout
-
-    def sbatch(self, *args: str) -> str:
-        return self.run("sbatch", "--parsable", *args).strip().split(";")[0]
-
-    def sacct_state(self, job_id: str) -> str:
-        out = self.run("sacct", "-j", job_id, "-X", "-n", "-P", "-o", "State", check=False)
-        return out.strip().splitlines()[0].split()[0] if out.strip() else ""
-
-    def wait_sacct(self, job_id: str, states: set[str], timeout: float = 40) -> str:
-        deadline = time.monotonic() + timeout
-        state = ""
-        while time.monotonic() < deadline:
-            state = self.sacct_state(job_id)
-            if state in states:
-                return state
-            time.sleep(0.5)
-        raise AssertionError(
-            f"job {job_id}: sacct state {state!r}, wanted one of {sorted(states)}\n"
-            + self.run("scontrol", "show", "job", job_id, check=False)
-        )
-
-    def logs(self) -> str:
-        parts = []
-        for log in sorted((self.state_dir / "log").glob("*.log")):
-            lines = log.read_text(errors="replace").splitlines()[-15:]
-            parts.append(f"--- {log.name}\n" + "\n".join(lines))
-        return "\n".join(parts)
-
-
-def _wait_for(predicate: Callable[[], object], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+from slurm_cluster import GRACE_S, SCRIPT, DevCluster, dev_cluster, wait_for
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    reason = _cannot_start_reason()
-    if reason is not None:
-        if os.environ.get("CI"):
-            pytest.fail(f"CI is set but the Slurm dev cluster cannot start: {reason}")
-        print(f"SKIP slurm dev cluster: {reason}")
-        pytest.skip(reason)
-
-    state_dir = tmp_path_factory.mktemp("slurm-dev-cluster")
-    work = tmp_path_factory.mktemp("slurm-jobs")
-    env = dict(os.environ)
-    env.update(
-        PEARL_DEV_CLUSTER_DIR=str(state_dir),
-        PEARL_DEV_CLUSTER_PORT_BASE=PORT_BASE,
-        PEARL_DEV_CLUSTER_GRACE=str(GRACE_S),
-        SLURM_CONF=str(state_dir / "etc" / "slurm.conf"),
-        PATH=f"/usr/sbin:/sbin:{env.get('PATH', '/usr/bin:/bin')}",
-    )
-    c = Cluster(state_dir=state_dir, env=env, work=work)
-    t0 = time.monotonic()
-    up = subprocess.run([str(SCRIPT), "up"], env=env, capture_output=True, text=True, timeout=300)
-    if up.returncode != 0:
-        subprocess.run([str(SCRIPT), "down"], env=env, capture_output=True, timeout=120)
-        pytest.fail(
-            f"slurm/dev-cluster up failed ({up.returncode})\n{up.stdout}\n{up.stderr}\n{c.logs()}"
-        )
-    print(f"dev-cluster up in {time.monotonic() - t0:.1f}s")
-    try:
-        yield c
-    finally:
-        down = subprocess.run(
-            [str(SCRIPT), "down"], env=env, capture_output=True, text=True, timeout=120
-        )
-        assert down.returncode == 0, down.stderr
-        # The MariaDB datadir is ~100 MB; pytest keeps old tmp dirs around.
-        shutil.rmtree(state_dir, ignore_errors=True)
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevCluster]:
+    yield from dev_cluster(tmp_path_factory, port_base="26800")
 
 
-def test_status_reports_all_daemons(cluster: Cluster) -> None:
+def test_status_reports_all_daemons(cluster: DevCluster) -> None:
     out = cluster.run(str(SCRIPT), "status")
     for daemon in ("munged", "mariadbd", "slurmdbd", "slurmctld", "slurmd h20-1"):
         assert f"{daemon}" in out
     assert "DOWN" not in out
 
 
-def test_sinfo_partitions_and_gpu_types(cluster: Cluster) -> None:
+def test_sinfo_partitions_and_gpu_types(cluster: DevCluster) -> None:
     out = cluster.run("sinfo", "-h", "-o", "%R|%G|%t")
     rows = [line.split("|") for line in out.split()]
     assert {r[0] for r in rows} == {"train", "elastic", "owner"}
@@ -148,7 +41,7 @@ def test_sinfo_partitions_and_gpu_types(cluster: Cluster) -> None:
 
 
 @pytest.fixture(scope="module")
-def gpu_job(cluster: Cluster) -> tuple[str, str]:
+def gpu_job(cluster: DevCluster) -> tuple[str, str]:
     out_file = cluster.work / "gpu-job.out"
     job_id = cluster.sbatch(
         "-p",
@@ -170,7 +63,7 @@ def test_h20_gpu_job_sees_cuda_visible_devices(gpu_job: tuple[str, str]) -> None
     assert "cvd=0" in out, out
 
 
-def test_sacct_reports_finished_job(cluster: Cluster, gpu_job: tuple[str, str]) -> None:
+def test_sacct_reports_finished_job(cluster: DevCluster, gpu_job: tuple[str, str]) -> None:
     job_id, _ = gpu_job
     out = cluster.run(
         "sacct", "-j", job_id, "-X", "-n", "-P", "-o", "JobID,State,ExitCode,AllocTRES"
@@ -202,7 +95,7 @@ def _events(path: Path) -> list[tuple[str, float]]:
     return [(w, float(t)) for w, t in (line.split() for line in path.read_text().splitlines())]
 
 
-def test_owner_preempts_elastic_after_grace_with_signal(cluster: Cluster) -> None:
+def test_owner_preempts_elastic_after_grace_with_signal(cluster: DevCluster) -> None:
     work = cluster.work
     handler = work / "handler.py"
     handler.write_text(HANDLER)
@@ -220,7 +113,7 @@ def test_owner_preempts_elastic_after_grace_with_signal(cluster: Cluster) -> Non
         "-p", "elastic", "-w", "h20-2", "--exclusive", "-t", "30",
         "-o", "/dev/null", "--wrap", f"srun {py} {handler} {plain}",
     )  # fmt: skip
-    _wait_for(lambda: _events(user_sig) and _events(plain), 20, "the elastic jobs to start")
+    wait_for(lambda: _events(user_sig) and _events(plain), 20, "the elastic jobs to start")
     owner = cluster.sbatch(
         "-p", "owner", "-N2", "--exclusive", "-t", "5", "-o", "/dev/null",
         "--wrap", f"{py} -c 'import time; print(time.time())' > {owner_out}",
@@ -244,7 +137,7 @@ def test_owner_preempts_elastic_after_grace_with_signal(cluster: Cluster) -> Non
         assert cluster.sacct_state(job_id) == "PREEMPTED"
 
 
-def test_srun_mpi_pmi2_two_ranks_on_two_nodes(cluster: Cluster) -> None:
+def test_srun_mpi_pmi2_two_ranks_on_two_nodes(cluster: DevCluster) -> None:
     try:
         import mpi4py  # noqa: F401
     except ImportError:

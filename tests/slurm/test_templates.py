@@ -3,13 +3,12 @@ warning and resumes its journal; the heterogeneous base job starts both componen
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import yaml
-from slurm_cluster import REPO, DevCluster, dev_cluster
+from slurm_cluster import REPO, DevCluster, dev_cluster, wait_for
 
 from pearl.coordinator.journal import replay
 
@@ -20,24 +19,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevCluster]:
         c.env["PEARL"] = str(REPO / ".venv" / "bin" / "pearl")  # the templates' $PEARL
         c.env["PEARL_PYTHON"] = str(REPO / ".venv" / "bin" / "python")
         yield c
-
-
-def _wait(predicate, timeout_s: float, what: str, cluster: DevCluster) -> None:  # type: ignore[no-untyped-def]
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if predicate():
-            return
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}\n{cluster.run('squeue')}")
-
-
-def _restarts(cluster: DevCluster, job_id: str) -> int:
-    out = cluster.run("scontrol", "show", "job", job_id)
-    return int(out.split("Restarts=")[1].split()[0]) if "Restarts=" in out else 0
-
-
-def _state(cluster: DevCluster, job_id: str) -> str:
-    return cluster.run("squeue", "-h", "-j", job_id, "-o", "%T").strip()
 
 
 def test_coordinator_sbatch_requeues_itself_on_the_warning(
@@ -60,39 +41,33 @@ def test_coordinator_sbatch_requeues_itself_on_the_warning(
         ),
         encoding="utf-8",
     )
-    out = cluster.run(
-        "sbatch",
-        "--parsable",
+    job_id = cluster.sbatch(
         "-o",
         str(tmp_path / "coord-%j.out"),
         str(REPO / "slurm" / "coordinator.sbatch"),
         str(config),
     )
-    job_id = out.strip().split(";")[0]
     journal = tmp_path / "run" / "journal.jsonl"
-    _wait(lambda: journal.exists() and replay(journal).num_records >= 1, 60, "a tick", cluster)
+    wait_for(lambda: journal.exists() and replay(journal).num_records >= 1, 60, "a tick", cluster)
     before = replay(journal).num_records
     # Slurm's warning, as before the time limit or at a preemption (--signal=B:USR2)
     cluster.run("scancel", "--batch", "--signal=USR2", job_id)
-    _wait(lambda: _state(cluster, job_id) == "PENDING", 30, "the requeue", cluster)
+    wait_for(lambda: cluster.job_state(job_id) == "PENDING", 30, "the requeue", cluster)
     cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
-    _wait(lambda: _restarts(cluster, job_id) >= 1, 60, "the next incarnation", cluster)
-    _wait(lambda: replay(journal).num_records > before, 60, "its journal records", cluster)
+    wait_for(lambda: cluster.restarts(job_id) >= 1, 60, "the next incarnation", cluster)
+    wait_for(lambda: replay(journal).num_records > before, 60, "its journal records", cluster)
     assert replay(journal).state is not None
     cluster.run("scancel", job_id)
 
 
 def test_base_job_starts_both_components(cluster: DevCluster, tmp_path: Path) -> None:
-    out = cluster.run(
-        "sbatch",
-        "--parsable",
+    job_id = cluster.sbatch(
         "-o",
         str(tmp_path / "base-%j.out"),
         str(REPO / "slurm" / "base-job.sbatch"),
         str(tmp_path / "run"),
     )
-    job_id = out.strip().split(";")[0]
-    _wait(
+    wait_for(
         lambda: cluster.run("squeue", "-h", "-j", job_id, "-o", "%i %T").count("RUNNING") == 2,
         30,
         "both components running",

@@ -1,4 +1,4 @@
-"""Where the cluster tests find the public traces (a plain module, not a conftest).
+"""Where the tests find the public traces (a plain module, not a conftest).
 
 The traces live beside the repository (``../shared/traces``, or ``$PEARL_TRACES``). When
 the folder is missing the tests that need it are skipped with the reason, except under CI
