@@ -20,9 +20,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
+from pearl.control.agent import agent_command
 from pearl.core.pd import PDConfig
 from pearl.core.plan import Action, PlanStep, Target, TransitionPlan
 from pearl.core.roles import Role
@@ -43,32 +43,6 @@ def two_phase_plan(nodes: list[str], num_steps: int = 64) -> TransitionPlan:
     return TransitionPlan(Target(PDConfig()), tuple(steps), num_role_changes=num_steps // 2)
 
 
-def mpiexec() -> str:
-    found = Path(sys.executable).with_name("mpiexec")
-    exe = str(found) if found.exists() else shutil.which("mpiexec")
-    if exe is None:
-        raise RuntimeError("mpiexec not found next to the interpreter or on PATH")
-    return exe
-
-
-def agent_argv(run_dir: str, agent_id: str, node: str, *extra: str) -> list[str]:
-    return [
-        mpiexec(),
-        "-n",
-        "1",
-        sys.executable,
-        "-m",
-        "pearl.control.agent",
-        "--run-dir",
-        run_dir,
-        "--agent-id",
-        agent_id,
-        "--node",
-        node,
-        *extra,
-    ]
-
-
 def bench_control(num_agents: int, repeats: int = 100, warmup: int = 5) -> dict[str, Any]:
     from pearl.control.coordinator_side import ControlServer
     from pearl.control.execute import execute_plan
@@ -78,7 +52,9 @@ def bench_control(num_agents: int, repeats: int = 100, warmup: int = 5) -> dict[
     procs = []
     try:
         for i in range(num_agents):
-            argv = agent_argv(run_dir, f"a{i}", f"n{i}", "--gpus", "0,1", "--null-workers")
+            argv = agent_command(
+                run_dir, f"n{i}", "--agent-id", f"a{i}", "--gpus", "0,1", "--null-workers"
+            )
             procs.append(
                 subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
             )

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
-from pearl.control.agent import EXIT_LOST
+from pearl.control.agent import EXIT_LOST, agent_command
 
 
 @dataclass(frozen=True)
@@ -41,27 +41,8 @@ class AgentPayload:
     reconnect_s: float = 600.0  # how long to wait for a requeued coordinator
 
     def command(self, node: str, gpus: str) -> list[str]:
-        mpiexec = str(Path(sys.executable).with_name("mpiexec"))
-        cmd = [
-            mpiexec,
-            "-launcher",
-            "fork",
-            "-n",
-            "1",
-            sys.executable,
-            "-m",
-            "pearl.control.agent",
-            "--run-dir",
-            self.run_dir,
-            "--node",
-            node,
-            "--gpus",
-            gpus,
-            "--gpu-type",
-            self.gpu_type,
-            "--grace-s",
-            str(self.grace_s),
-        ]
+        options = ["--gpus", gpus, "--gpu-type", self.gpu_type, "--grace-s", str(self.grace_s)]
+        cmd = agent_command(self.run_dir, node, *options)
         for engine in self.engines:
             cmd += ["--engine", engine]
         if self.null_workers:

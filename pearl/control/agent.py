@@ -19,6 +19,7 @@ import concurrent.futures
 import os
 import queue
 import shlex
+import shutil
 import signal
 import socket
 import sys
@@ -44,6 +45,35 @@ from pearl.control.rendezvous import KnockRefused, knock
 from pearl.control.workers import NullWorkers, ProcessWorkers, Workers
 
 EXIT_OK, EXIT_REFUSED, EXIT_LOST = 0, 2, 3
+
+
+def find_mpiexec() -> str | None:
+    """The ``mpiexec`` of this interpreter's environment (the MPICH wheel's), else PATH's."""
+    beside = Path(sys.executable).with_name("mpiexec")
+    return str(beside) if beside.exists() else shutil.which("mpiexec")
+
+
+def agent_command(run_dir: str | Path, node: str, *options: str) -> list[str]:
+    """``pearl agent`` as an MPI process of its own (``mpiexec -n 1``; ``-launcher fork``
+    keeps Hydra from calling ``srun`` when it runs inside a Slurm job step)."""
+    mpiexec = find_mpiexec()
+    if mpiexec is None:
+        raise RuntimeError("mpiexec not found next to the interpreter or on PATH")
+    return [
+        mpiexec,
+        "-launcher",
+        "fork",
+        "-n",
+        "1",
+        sys.executable,
+        "-m",
+        "pearl.control.agent",
+        "--run-dir",
+        str(run_dir),
+        "--node",
+        node,
+        *options,
+    ]
 
 
 class Agent:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,13 +11,14 @@ from typing import Any
 
 import pytest
 
+from pearl.control.agent import agent_command, find_mpiexec
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 
 
 def mpiexec_or_skip() -> str:
-    exe = Path(sys.executable).with_name("mpiexec")
-    found = str(exe) if exe.exists() else shutil.which("mpiexec")
+    found = find_mpiexec()
     try:
         import mpi4py  # noqa: F401
     except ImportError:
@@ -74,21 +74,8 @@ class Coordinator:
 def start_agent(
     run_dir: Path, agent_id: str, node: str, *extra: str, stderr: Any = None
 ) -> subprocess.Popen[str]:
-    argv = [
-        mpiexec_or_skip(),
-        "-n",
-        "1",
-        sys.executable,
-        "-m",
-        "pearl.control.agent",
-        "--run-dir",
-        str(run_dir),
-        "--agent-id",
-        agent_id,
-        "--node",
-        node,
-        *extra,
-    ]
+    mpiexec_or_skip()
+    argv = agent_command(run_dir, node, "--agent-id", agent_id, *extra)
     return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stderr=stderr, text=True, cwd=REPO)
 
 
