@@ -13,16 +13,11 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
+from pearl.core import base_job
 from pearl.core.config import PolicyConfig
-from pearl.core.roles import GpuSource, Phase, Role, WorkerKind
 from pearl.core.state import (
-    Allocation,
-    AllocationKind,
-    AllocationStatus,
     ClusterState,
     Frozen,
-    Gpu,
-    Worker,
 )
 from pearl.io.documents import load_profile, parse, read_document
 
@@ -90,39 +85,7 @@ def load_config(path: str | Path) -> tuple[CoordinatorConfig, Path]:
 def initial_state(config: CoordinatorConfig) -> ClusterState:
     """The base job as the core sees it: one trainer per trainer node (its GPUs), the
     rollout nodes' GPUs free for the first decision to place engines on."""
-    gpus: list[Gpu] = []
-    workers: list[Worker] = []
-    for group, source in (
-        (config.base.trainer, GpuSource.BASE_TRAIN),
-        (config.base.rollout, GpuSource.BASE_ROLLOUT),
-    ):
-        for node in group:
-            ids = tuple(f"{node.name}/{i}" for i in range(node.num_gpus))
-            gpus += [
-                Gpu(
-                    gpu_id=g,
-                    node=node.name,
-                    gpu_type=node.gpu_type,
-                    source=source,
-                    allocation_id="base",
-                )
-                for g in ids
-            ]
-            if source is GpuSource.BASE_TRAIN:
-                workers.append(
-                    Worker(
-                        worker_id=f"t-{node.name}",
-                        kind=WorkerKind.TRAINER,
-                        node=node.name,
-                        gpu_ids=ids,
-                        role=Role.TRAIN,
-                        phase=Phase.READY,
-                    )
-                )
-    base = Allocation(
-        allocation_id="base",
-        kind=AllocationKind.BASE,
-        status=AllocationStatus.GRANTED,
-        granted_at_s=0.0,
+    return base_job.base_job_state(
+        [base_job.BaseNode(n.name, n.gpu_type, n.num_gpus) for n in config.base.trainer],
+        [base_job.BaseNode(n.name, n.gpu_type, n.num_gpus) for n in config.base.rollout],
     )
-    return ClusterState(gpus=tuple(gpus), workers=tuple(workers), allocations=(base,))

@@ -8,82 +8,28 @@ the same cold starts. Elastic nodes join only when Slurm grants them.
 
 from __future__ import annotations
 
-from pearl.core.roles import GpuSource, Phase, Role, WorkerKind
-from pearl.core.state import (
-    Allocation,
-    AllocationKind,
-    AllocationStatus,
-    ClusterState,
-    Gpu,
-    Worker,
-)
+from pearl.core.base_job import BaseNode, base_job_state
+from pearl.core.roles import Role, WorkerKind
+from pearl.core.state import ClusterState
 from pearl.sim.availability import Window
 from pearl.sim.scenario import Scenario
-
-BASE = "base"
 
 
 def initial_state(scenario: Scenario) -> ClusterState:
     c = scenario.cluster
-    gpus: list[Gpu] = []
-    workers: list[Worker] = []
-    version = scenario.rollout.initial_policy_version
-    for n in range(c.trainer.nodes):
-        node = f"train{n:03d}"
-        ids = tuple(f"{node}/{i}" for i in range(c.trainer.gpus_per_node))
-        gpus += [
-            Gpu(
-                gpu_id=g,
-                node=node,
-                gpu_type=c.trainer.gpu_type,
-                source=GpuSource.BASE_TRAIN,
-                allocation_id=BASE,
-            )
-            for g in ids
-        ]
-        workers.append(
-            Worker(
-                worker_id=f"t-{node}",
-                kind=WorkerKind.TRAINER,
-                node=node,
-                gpu_ids=ids,
-                role=Role.TRAIN,
-                phase=Phase.READY,
-                weights_version=version,
-            )
-        )
-        workers += [
-            Worker(
-                worker_id=f"e-{node}-{i}",
-                kind=WorkerKind.ENGINE,
-                node=node,
-                gpu_ids=(g,),
-                role=Role.IDLE,
-                phase=Phase.READY,
-                weights_version=version,
-            )
-            for i, g in enumerate(ids)
-        ]
-    for n in range(c.rollout.nodes):
-        node = f"roll{n:03d}"
-        gpus += [
-            Gpu(
-                gpu_id=f"{node}/{i}",
-                node=node,
-                gpu_type=c.rollout.gpu_type,
-                source=GpuSource.BASE_ROLLOUT,
-                allocation_id=BASE,
-            )
-            for i in range(c.rollout.gpus_per_node)
-        ]
-    base = Allocation(
-        allocation_id=BASE,
-        kind=AllocationKind.BASE,
-        status=AllocationStatus.GRANTED,
-        granted_at_s=0.0,
-    )
-    return ClusterState(
-        policy_version=version, gpus=tuple(gpus), workers=tuple(workers), allocations=(base,)
+    trainer = [
+        BaseNode(f"train{n:03d}", c.trainer.gpu_type, c.trainer.gpus_per_node)
+        for n in range(c.trainer.nodes)
+    ]
+    rollout = [
+        BaseNode(f"roll{n:03d}", c.rollout.gpu_type, c.rollout.gpus_per_node)
+        for n in range(c.rollout.nodes)
+    ]
+    return base_job_state(
+        trainer,
+        rollout,
+        asleep_engines=True,
+        policy_version=scenario.rollout.initial_policy_version,
     )
 
 
