@@ -77,6 +77,20 @@ def _take_back(cluster: DevCluster, node: str) -> None:
     )
 
 
+def _diagnosis(tmp_path: Path) -> str:
+    """The journal's actions and the coordinator job's logs, for a failure message."""
+    lines = [
+        line
+        for line in (tmp_path / "run" / "journal.jsonl").read_text().splitlines()
+        if '"kind":"state"' not in line
+    ]
+    logs = [
+        f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
+        for p in sorted((tmp_path / "jobs").glob("**/*_log.*"))
+    ]
+    return "\n".join(["journal (no states):", *lines[-20:], *logs])
+
+
 def _granted(journal: Path) -> list[str]:
     state = replay(journal).state if journal.exists() else None
     if state is None:
@@ -115,6 +129,7 @@ def test_coordinator_job_gets_a_grant_and_resumes_after_a_requeue(
     assert state is not None
     nodes = {g.node for g in state.gpus if g.allocation_id == "el0001"}
     assert nodes <= {"h20-1", "h20-2"} and len(nodes) == 1
+    records = replay(journal).num_records
     cluster.run("scontrol", "requeue", job_id)
     # A requeued job waits out a BeginTime (Slurm's requeue delay); start it now.
     wait_for(
@@ -130,9 +145,12 @@ def test_coordinator_job_gets_a_grant_and_resumes_after_a_requeue(
         "the requeued coordinator",
         cluster,
     )
-    time.sleep(3)  # a few ticks of the new incarnation
-    assert _granted(journal) == ["el0001"]
-    assert "el0002" not in journal.read_text()  # resumed, did not ask again
+    # each incarnation journals its first state
+    wait_for(lambda: replay(journal).num_records > records, 60, "the new incarnation", cluster)
+    time.sleep(3)  # a few ticks of it
+    why = _diagnosis(tmp_path)
+    assert _granted(journal) == ["el0001"], why
+    assert "el0002" not in journal.read_text(), why  # resumed, did not ask again
     # the resumed coordinator watches the job its predecessor submitted: when another
     # tenant takes the node, the allocation ends in its state
     state = replay(journal).state
