@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib.resources
 import importlib.util
 import json
-import os
 import re
 from itertools import pairwise
 from pathlib import Path
@@ -20,13 +19,13 @@ from types import ModuleType
 import numpy as np
 import pytest
 import yaml
+from trace_files import traces_or_skip
 
 from pearl.core.fitting import DecodeRecord, PrefillRecord, fit_engine_profile
 from pearl.core.profile import RuntimeProfile
 
 PROFILES = ("qwen3-8b.yaml", "qwen3-30b-a3b.yaml")
 REPO = Path(__file__).resolve().parents[2]
-TRACES = REPO.parent / "shared" / "traces"
 NUMERIC_TAGS = {"tag:yaml.org,2002:int", "tag:yaml.org,2002:float"}
 INLINE_COMMENT = re.compile(r"^\s*[^\s#].*\s#\s*\S")
 FULL_LINE_COMMENT = re.compile(r"^\s*#\s*\S")
@@ -224,15 +223,10 @@ def _calibration_module() -> ModuleType:
     return module
 
 
-# CI always has ../shared/traces beside the checkout: there a missing folder is a failure.
-@pytest.mark.skipif(
-    not TRACES.is_dir() and not os.environ.get("CI"),
-    reason=f"public traces not found at {TRACES}",
-)
 @pytest.mark.parametrize("name", PROFILES)
 def test_workload_defaults_match_the_traces(name: str) -> None:
     """The workload section quotes benchmarks/calibrate_workload.py over ../shared/traces."""
-    computed = _calibration_module().calibrate(TRACES)["workload_defaults"]
+    computed = _calibration_module().calibrate(traces_or_skip())["workload_defaults"]
     json.dumps(computed)
     shipped = load(name).workload.model_dump()
     for field, value in computed.items():
