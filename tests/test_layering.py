@@ -9,7 +9,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PURE_PACKAGES = ["pearl/core", "pearl/sim"]
-PURE_FILES = ["pearl/logschema.py"]  # the run-log schema, shared by the simulator and shell
+PURE_FILES = [  # the run-log schema and its records, shared by simulator and shell
+    "pearl/logschema.py",
+    "pearl/run_records.py",
+]
 ALLOWED_ROOTS = {"pearl", "numpy", "scipy", "pydantic", "__future__"} | {
     # stdlib modules that do no I/O, spawn nothing and read no clock
     "abc",

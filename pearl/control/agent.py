@@ -128,6 +128,7 @@ class Agent:
                 gpus=tuple(self.gpus),
                 job_id=self.job_id,
                 pid=os.getpid(),
+                workers=self.workers.worker_ids(),
             )
         )
         try:

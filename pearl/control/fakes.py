@@ -3,9 +3,11 @@
 Until the real engines exist, the agent's worker management is tested against this
 process: ``python -m pearl.control.fakes --port N``. It answers vLLM's endpoints that the
 agent uses: ``GET /health`` (200), ``POST /sleep`` and ``POST /wake_up`` (toggle sleep),
-``GET /is_sleeping`` and ``GET /metrics`` (Prometheus text with
-``vllm:num_requests_running 0``, ``pearl_fake_sleeping`` and the ``CUDA_VISIBLE_DEVICES`` it
-was started with, so tests can check what the agent set). SIGTERM stops it cleanly.
+``GET /is_sleeping``, ``POST /collective_rpc`` (only ``{"method": "reload_weights"}``,
+counted) and ``GET /metrics`` (Prometheus text with ``vllm:num_requests_running 0``,
+``pearl_fake_sleeping``, ``pearl_fake_weight_reloads`` and the ``CUDA_VISIBLE_DEVICES`` it
+was started with, so tests can check what the agent did). ``--start-delay-s`` delays the
+listening socket, like a model load. SIGTERM stops it cleanly.
 """
 
 from __future__ import annotations
@@ -15,12 +17,14 @@ import json
 import os
 import signal
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 
 class _State:
     sleeping = False
+    weight_reloads = 0
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -44,6 +48,7 @@ class _Handler(BaseHTTPRequestHandler):
                 200,
                 "vllm:num_requests_running 0\n"
                 f"pearl_fake_sleeping {int(_State.sleeping)}\n"
+                f"pearl_fake_weight_reloads {_State.weight_reloads}\n"
                 f'pearl_fake_info{{cuda_visible_devices="{cvd}"}} 1\n',
                 "text/plain; version=0.0.4",
             )
@@ -55,6 +60,17 @@ class _Handler(BaseHTTPRequestHandler):
         if path in ("/sleep", "/wake_up"):
             _State.sleeping = path == "/sleep"
             self._reply(200, "")
+        elif path == "/collective_rpc":
+            length = int(self.headers.get("Content-Length") or 0)
+            try:
+                method = json.loads(self.rfile.read(length) or b"{}").get("method")
+            except (json.JSONDecodeError, AttributeError):
+                method = None
+            if method != "reload_weights":
+                self._reply(400, json.dumps({"error": f"unsupported method {method!r}"}))
+                return
+            _State.weight_reloads += 1
+            self._reply(200, json.dumps({"results": [None]}))
         else:
             self._reply(404, "")
 
@@ -66,7 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--start-delay-s", type=float, default=0.0)
     args = ap.parse_args(argv)
+    time.sleep(args.start_delay_s)
     server = ThreadingHTTPServer((args.host, args.port), _Handler)
 
     def stop(*_: object) -> None:

@@ -48,6 +48,7 @@ class Hello(_Msg):
     gpus: tuple[GpuInfo, ...] = ()
     job_id: str | None = None  # the Slurm allocation the agent runs in, if any
     pid: int = 0
+    workers: tuple[str, ...] = ()  # ids of the workers it runs (none after a restart)
 
 
 class Welcome(_Msg):

@@ -4,8 +4,12 @@
 template; ``{port}``, ``{role}``, ``{worker_id}`` are filled in) with
 ``CUDA_VISIBLE_DEVICES`` set to the local indices of the worker's GPUs, waits for
 ``GET /health``, and drives it over vLLM's HTTP endpoints: ``POST /sleep``,
-``POST /wake_up``, ``GET /metrics`` (``vllm:num_requests_running`` for drains). Stop is
-SIGTERM to the process group, then SIGKILL. :class:`NullWorkers` only records roles and
+``POST /wake_up``, ``GET /metrics`` (``vllm:num_requests_running`` for drains), and
+``POST /collective_rpc`` with ``{"method": "reload_weights"}`` for ``sync_weights`` (vLLM's
+dev-mode route, ``VLLM_SERVER_DEV_MODE=1``: the engine reloads the weights the trainer
+exported to its model path). A trainer worker answers the same routes: ``offload`` is
+``/sleep`` (state to host memory, GPUs free), ``onload`` is ``/wake_up``. Stop is SIGTERM to
+the process group, then SIGKILL. :class:`NullWorkers` only records roles and
 phases; the control-plane benchmark and protocol tests use it.
 """
 
@@ -24,6 +28,8 @@ from typing import Protocol
 
 from pearl.control.messages import ABORT_DRAIN, Command
 
+RELOAD_WEIGHTS = b'{"method": "reload_weights"}'
+
 
 class WorkerError(RuntimeError):
     """A worker operation that failed; the message goes into the Ack."""
@@ -32,6 +38,7 @@ class WorkerError(RuntimeError):
 class Workers(Protocol):
     def execute(self, cmd: Command) -> None: ...
     def stop_all(self, budget_s: float) -> None: ...
+    def worker_ids(self) -> tuple[str, ...]: ...
 
 
 @dataclass
@@ -39,6 +46,7 @@ class WorkerState:
     role: str | None
     phase: str = "ready"
     asleep: bool = False
+    weight_syncs: int = 0
 
 
 class NullWorkers:
@@ -56,6 +64,9 @@ class NullWorkers:
     def stop_all(self, budget_s: float) -> None:
         self.workers.clear()
 
+    def worker_ids(self) -> tuple[str, ...]:
+        return tuple(self.workers)
+
 
 def _apply(w: WorkerState, cmd: Command) -> None:
     a = cmd.action
@@ -63,8 +74,10 @@ def _apply(w: WorkerState, cmd: Command) -> None:
         w.phase = "draining"
     elif a == ABORT_DRAIN:
         w.phase = "ready"
-    elif a in ("switch", "wake", "sleep", "start"):
-        w.role, w.phase, w.asleep = cmd.role, "ready", a == "sleep"
+    elif a in ("switch", "wake", "sleep", "start", "offload", "onload"):
+        w.role, w.phase, w.asleep = cmd.role, "ready", a in ("sleep", "offload")
+    elif a == "sync_weights":
+        w.weight_syncs += 1
     elif a == "stop":
         w.phase = "gone"
     else:
@@ -97,12 +110,20 @@ class ProcessWorkers:
     def url(self, worker_id: str, path: str) -> str:
         return f"http://{self.host}:{self.procs[worker_id].port}{path}"
 
-    def _http(self, worker_id: str, path: str, method: str, timeout: float) -> str:
-        req = urllib.request.Request(self.url(worker_id, path), method=method)
+    def worker_ids(self) -> tuple[str, ...]:
+        return tuple(self.procs)
+
+    def _http(
+        self, worker_id: str, path: str, method: str, timeout: float, body: bytes | None = None
+    ) -> str:
+        headers = {"Content-Type": "application/json"} if body is not None else {}
+        req = urllib.request.Request(
+            self.url(worker_id, path), data=body, headers=headers, method=method
+        )
         try:
             with urllib.request.urlopen(req, timeout=max(0.05, timeout)) as r:
-                body: bytes = r.read()
-                return body.decode()
+                reply: bytes = r.read()
+                return reply.decode()
         except (urllib.error.URLError, OSError) as e:
             raise WorkerError(f"{worker_id}: {method} {path}: {e}") from None
 
@@ -127,10 +148,12 @@ class ProcessWorkers:
         def left() -> float:
             return end - time.monotonic()
 
-        if cmd.action == "sleep":
+        if cmd.action in ("sleep", "offload"):
             self._http(cmd.worker_id, "/sleep?level=1", "POST", left())
-        elif cmd.action in ("wake",) or (cmd.action == "switch" and p.state.asleep):
+        elif cmd.action in ("wake", "onload") or (cmd.action == "switch" and p.state.asleep):
             self._http(cmd.worker_id, "/wake_up", "POST", left())
+        elif cmd.action == "sync_weights":
+            self._http(cmd.worker_id, "/collective_rpc", "POST", left(), RELOAD_WEIGHTS)
         elif cmd.action == "drain":
             self._drain(cmd.worker_id, end)
         elif cmd.action == "stop":

@@ -59,10 +59,18 @@ class AllocationPending(Frozen):
     num_gpus: Annotated[int, Field(ge=1)]
 
 
-Event = Annotated[
-    AllocationGranted | AllocationPreempting | AllocationEnded | AllocationPending,
-    Field(discriminator="kind"),
-]
+class WorkersLost(Frozen):
+    """Workers that are gone while their allocation lives on: their node agent died, or
+    came back (after its own or the coordinator's restart) without them. Their GPUs stay
+    in the state, free for the next plan."""
+
+    kind: Literal["workers_lost"] = "workers_lost"
+    worker_ids: tuple[Id, ...] = Field(min_length=1)
+    reason: str = ""
+
+
+AllocationEvent = AllocationGranted | AllocationPreempting | AllocationEnded | AllocationPending
+Event = Annotated[AllocationEvent | WorkersLost, Field(discriminator="kind")]
 
 
 class TrainerPhase(StrEnum):
@@ -91,6 +99,10 @@ def observe(state: ClusterState, obs: Observation, now_s: float) -> ClusterState
     gpus = list(state.gpus)
     workers = list(state.workers)
     for ev in obs.events:
+        if isinstance(ev, WorkersLost):
+            gone = set(ev.worker_ids)
+            workers = [w for w in workers if w.worker_id not in gone]
+            continue
         old = allocations.get(ev.allocation_id)
         if isinstance(ev, AllocationPending):
             if old is None:

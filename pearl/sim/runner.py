@@ -58,6 +58,7 @@ from pearl.logschema import (
     TrainStep,
     TrajectoryFinished,
 )
+from pearl.run_records import BorrowJournal, decision_record, state_records
 from pearl.sim.allocations import ElasticAllocations
 from pearl.sim.availability import Window
 from pearl.sim.cluster import initial_state, synced
@@ -65,7 +66,7 @@ from pearl.sim.engine import KvHandoff, PartialOutput, Request, kv_transfer_s
 from pearl.sim.events import EventLoop
 from pearl.sim.execution import PlanExecution
 from pearl.sim.fleet import Fleet, Instance, handoff_request
-from pearl.sim.journal import BorrowJournal, PredictionLedger, decision_record
+from pearl.sim.journal import PredictionLedger
 from pearl.sim.metrics import GpuClock, RunMetrics
 from pearl.sim.policies import SimPolicy
 from pearl.sim.rollout import Rollout, Trajectory
@@ -122,6 +123,7 @@ class Simulation:
         self.loop: EventLoop[tuple[Any, ...]] = EventLoop()
         self.fleet = Fleet(self.profile)
         self.state: ClusterState = initial_state(sc)
+        self.logged_state: ClusterState | None = None
         self.version = sc.rollout.initial_policy_version
         step_s = sc.training.train_step_s
         self.train_step_s = step_s if step_s is not None else self.profile.costs.train_step_s
@@ -201,6 +203,15 @@ class Simulation:
     def log(self, record: Record) -> None:
         if self.sink is not None:
             self.sink(record)
+
+    def log_state(self, now_s: float) -> None:
+        """The GPUs, workers and allocations that changed since the last logged state
+        (at each decision and at the end of each plan: roles at plan granularity; the
+        plan's steps are logged as they end)."""
+        if self.sink is not None:
+            for record in state_records(self.logged_state, self.state, now_s):
+                self.sink(record)
+            self.logged_state = self.state
 
     # --- engines -------------------------------------------------------------------------
 
@@ -423,6 +434,7 @@ class Simulation:
         decision = decide(self.state, obs, cfg, self.profile, now_s)
         self.decisions += 1
         self.state = decision.state
+        self.log_state(now_s)
         plan = decision.plan
         predicted_s = decision.current.completion_s
         if not plan.empty:
@@ -450,6 +462,7 @@ class Simulation:
         out = self.plan.on_event(now_s, what, index)
         if self.plan.done:
             self.state = self.plan.final_state
+            self.log_state(now_s)
             for a in self.plan.releases:
                 out += self.elastic.release(a, now_s)
             self.plan = None

@@ -14,6 +14,7 @@ from pearl.core.observation import (
     Observation,
     TrainerPhase,
     TrainerStatus,
+    WorkersLost,
 )
 from pearl.core.pd import config_of
 from pearl.core.profile import RuntimeProfile
@@ -142,6 +143,21 @@ def test_preemption_moves_engines_off_within_grace(profile: RuntimeProfile) -> N
     assert leaving and all(10.0 + s.end_s <= 40.0 for s in leaving if s.action.value != "stop")
     after = apply_plan(d.state, d.plan, 10.0)
     assert not [w for w in after.workers if w.node == "elas0000" and w.active]
+
+
+def test_lost_workers_leave_the_state_and_their_gpus_are_planned_again(
+    profile: RuntimeProfile,
+) -> None:
+    cfg = PolicyConfig(switching=SwitchingConfig(rule="always"))
+    state = settle(build_state(Layout(1, 1, 1)), _busy_obs(), cfg, profile, 10.0)
+    lost = sorted(w.worker_id for w in state.workers if w.node == "elas0000")
+    assert lost
+    ev = WorkersLost(worker_ids=tuple(lost), reason="agent dead")
+    d = decide(state, _busy_obs(events=(ev,)), cfg, profile, 20.0)
+    assert not set(lost) & set(d.state.worker_by_id)
+    assert {g.gpu_id for g in d.state.gpus} == {g.gpu_id for g in state.gpus}  # GPUs stay
+    restarted = [s for s in d.plan.steps if s.node == "elas0000"]
+    assert restarted and {s.action.value for s in restarted} == {"start"}
 
 
 def test_elastic_requests_respect_the_cap(profile: RuntimeProfile) -> None:
