@@ -83,12 +83,15 @@ def run(args: argparse.Namespace) -> int:
         workload=workload_file(run_dir / "workload.json"),
         control=control,
     )
+    ended: str | None = "error"
     try:
         coordinator.run(args.max_runtime_s, stop=lambda: bool(stopping["signal"]))
+        ended = None if stopping["signal"] else "max runtime reached"
     except AllocationConfigError as err:  # Slurm refused a value of the configuration
+        ended = f"Slurm refused {err.field_name}"
         raise InputError(args.config, err.field_name, err.detail) from None
     finally:
-        coordinator.close()
+        coordinator.close(ended)
         if control is not None:
             control.close()
     if not stopping["signal"]:

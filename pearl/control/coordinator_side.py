@@ -62,6 +62,7 @@ class AgentInfo:
     reason: str = ""
     last_seen: float = 0.0
     grace_s: float | None = None
+    workers: tuple[str, ...] = ()  # the workers it reported when it joined
 
 
 @dataclass
@@ -357,7 +358,13 @@ class ControlServer:
             conn.agent_id = hello.agent_id
             self._conns[hello.agent_id] = conn
             self.agents[hello.agent_id] = AgentInfo(
-                hello.agent_id, hello.node, hello.gpus, hello.job_id, hello.pid, last_seen=now
+                hello.agent_id,
+                hello.node,
+                hello.gpus,
+                hello.job_id,
+                hello.pid,
+                last_seen=now,
+                workers=hello.workers,
             )
             self._event("joined", hello.agent_id, f"{hello.node} gpus={len(hello.gpus)}")
         conn.channel.send(

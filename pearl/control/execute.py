@@ -31,6 +31,7 @@ class StepResult:
     agent_id: str | None
     error: str | None
     elapsed_s: float
+    ended_s: float = 0.0  # when the result came, seconds after the plan started
 
 
 @dataclass
@@ -42,6 +43,14 @@ class PlanResult:
     @property
     def ok(self) -> bool:
         return all(r.status == "ok" for r in self.steps.values())
+
+    def carried_out(self) -> frozenset[int]:
+        """The steps whose effect stands: acknowledged, less the drains undone by a
+        successful ``abort_drain`` (the worker serves in its old role again)."""
+        undone = {c.step_id for c in self.compensations.values() if c.status == "ok"}
+        return frozenset(
+            sid for sid, r in self.steps.items() if r.status == "ok" and sid not in undone
+        )
 
 
 def _deadline(step: PlanStep, factor: float, minimum: float) -> float:
@@ -67,7 +76,7 @@ def execute_plan(
             if any(d is not None and d.status != "ok" for d in deps):
                 bad = next(d for d in deps if d is not None and d.status != "ok")
                 result.steps[sid] = StepResult(
-                    sid, "aborted", None, f"dependency {bad.step_id} {bad.status}", 0.0
+                    sid, "aborted", None, f"dependency {bad.step_id} {bad.status}", 0.0, _since(t0)
                 )
                 del waiting[sid]
                 continue
@@ -76,7 +85,9 @@ def execute_plan(
             del waiting[sid]
             agent = server.agent_for_node(step.node)
             if agent is None:
-                result.steps[sid] = StepResult(sid, "lost", None, f"no agent on {step.node}", 0)
+                result.steps[sid] = StepResult(
+                    sid, "lost", None, f"no agent on {step.node}", 0.0, _since(t0)
+                )
                 continue
             cmd = Command(
                 cmd_id=server.new_cmd_id(),
@@ -96,15 +107,19 @@ def execute_plan(
             break
         for cid, r in server.wait_results(in_flight, any_=True).items():
             step = in_flight.pop(cid)
-            result.steps[step.step_id] = _step_result(step.step_id, r)
+            result.steps[step.step_id] = _step_result(step.step_id, r, _since(t0))
     if not result.ok:
         _compensate(server, plan, result, min_deadline_s)
     result.elapsed_s = time.monotonic() - t0
     return result
 
 
-def _step_result(step_id: int, r: CommandResult) -> StepResult:
-    return StepResult(step_id, r.status, r.agent_id, r.error, r.elapsed_s)
+def _since(t0: float) -> float:
+    return time.monotonic() - t0
+
+
+def _step_result(step_id: int, r: CommandResult, ended_s: float = 0.0) -> StepResult:
+    return StepResult(step_id, r.status, r.agent_id, r.error, r.elapsed_s, ended_s)
 
 
 def _compensate(

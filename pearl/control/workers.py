@@ -9,17 +9,21 @@ template; ``{port}``, ``{role}``, ``{worker_id}`` are filled in) with
 dev-mode route, ``VLLM_SERVER_DEV_MODE=1``: the engine reloads the weights the trainer
 exported to its model path). A trainer worker answers the same routes: ``offload`` is
 ``/sleep`` (state to host memory, GPUs free), ``onload`` is ``/wake_up``. Stop is SIGTERM to
-the process group, then SIGKILL. :class:`NullWorkers` only records roles and
-phases; the control-plane benchmark and protocol tests use it.
+the process group, then SIGKILL; an engine also gets SIGTERM when its agent dies
+(``PR_SET_PDEATHSIG``), so none outlives the agent that manages its GPUs.
+:class:`NullWorkers` only records roles and phases; the control-plane benchmark and
+protocol tests use it.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -82,6 +86,17 @@ def _apply(w: WorkerState, cmd: Command) -> None:
         w.phase = "gone"
     else:
         raise WorkerError(f"action {a!r} is not supported by this agent")
+
+
+_PR_SET_PDEATHSIG = 1
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
+
+
+def _die_with_parent() -> None:
+    """In the engine process, before exec: SIGTERM when the agent dies (even by SIGKILL),
+    so an engine never outlives the agent that manages its GPUs."""
+    if _LIBC is not None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def free_port() -> int:
@@ -181,7 +196,12 @@ class ProcessWorkers:
             else subprocess.DEVNULL
         )
         proc = subprocess.Popen(
-            args, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            args,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,  # one C call in the child: safe with threads
         )
         self.procs[cmd.worker_id] = _Proc(proc, port, WorkerState(role, "starting"), out)
         while time.monotonic() < end:

@@ -43,6 +43,9 @@ class AgentSection(Frozen):
     )
     null_workers: bool = Field(False, description="Record commands without engines.")
     grace_s: PosFloat = Field(30.0, description="Time an agent has to drain on preemption.")
+    join_timeout_s: PosFloat = Field(
+        300.0, description="A granted allocation whose agents have not joined by then is released."
+    )
 
 
 class CoordinatorConfig(Frozen):

@@ -1,18 +1,41 @@
 """The coordinator's side of the MPI control plane, as the loop uses it.
 
 ``MpiControl`` opens the port the node agents connect to (``pearl.control``), executes
-plans on them (one acknowledged command per step, aborts on failure) and reports the
-agents it knows, which the loop writes to ``run_dir/agents.json`` every tick.
+plans on them (one acknowledged command per step, aborts on failure), reports what
+happened to the agents since the last tick (``AgentEvent``) and the agents it knows, which
+the loop writes to ``run_dir/agents.json`` every tick.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pearl.coordinator.reconcile import AgentEvent
 from pearl.core.plan import TransitionPlan
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    step_id: int
+    ok: bool
+    error: str
+    started_s: float  # seconds after the plan started
+    ended_s: float
+
+
+@dataclass(frozen=True)
+class PlanOutcome:
+    """What became of a plan: ``carried_out`` are the steps whose effect stands (a failed
+    plan's acknowledged part, less the drains that were undone)."""
+
+    ok: bool
+    carried_out: frozenset[int]
+    steps: tuple[StepOutcome, ...] = ()
+    error: str = ""
 
 
 class MpiControl:
@@ -21,10 +44,34 @@ class MpiControl:
 
         self.server = ControlServer(run_dir)
 
-    def execute(self, plan: TransitionPlan) -> bool:
+    def execute(self, plan: TransitionPlan) -> PlanOutcome:
         from pearl.control.execute import execute_plan
 
-        return execute_plan(self.server, plan).ok
+        result = execute_plan(self.server, plan)
+        steps = tuple(
+            StepOutcome(
+                r.step_id,
+                r.status == "ok",
+                r.error or "",
+                max(0.0, r.ended_s - r.elapsed_s),
+                r.ended_s,
+            )
+            for r in sorted(result.steps.values(), key=lambda r: r.ended_s)
+        )
+        failed = [f"step {s.step_id}: {s.error}" for s in steps if not s.ok]
+        return PlanOutcome(result.ok, result.carried_out(), steps, "; ".join(failed[:3]))
+
+    def events(self) -> list[AgentEvent]:
+        """What happened to agents since the last call, with their node and workers."""
+        events = self.server.events()
+        known = {a.agent_id: a for a in self.server.agents_snapshot()}  # after: joins included
+        out = []
+        for kind, agent_id, detail in events:
+            info = known.get(agent_id)
+            node = info.node if info is not None else ""
+            workers = info.workers if info is not None else ()
+            out.append(AgentEvent(kind, agent_id, node, detail, workers))
+        return out
 
     def agents(self) -> list[dict[str, Any]]:
         return [

@@ -2,15 +2,21 @@
 
 Each tick (every ``decision_interval_s`` of the injected clock):
 
-1. observe: the allocation backend's events since the last tick, the trainer's status and
-   the rollout workload (``WorkloadSource``: until the rollout manager exists, the
+1. observe: the allocation backend's events since the last tick, what happened to the
+   node agents (``pearl.coordinator.reconcile``: workers lost with an agent; a grant held
+   back until its agents have joined, released if they never do), the trainer's status
+   and the rollout workload (``WorkloadSource``: until the rollout manager exists, the
    snapshot it will write to ``run_dir/workload.json``; none means an empty batch);
 2. decide, and journal the resulting state *before* acting;
 3. act, each action announced in the journal (``intent``) and closed (``done``): elastic
    requests are submitted, releases released, and a non-empty plan is handed to the
-   control plane. Without a control plane (``control=None``, no agents yet) a plan is
-   journalled as not executed and the state stays the observed one, so the next
-   decision plans it again.
+   control plane. A plan that fails part-way leaves the state with the steps whose
+   effect stands (``PlanOutcome.carried_out``), so the next decision starts from what
+   runs. Without a control plane (``control=None``, no agents) a plan is journalled as
+   not executed and the state stays the observed one.
+
+Every new state, decision and plan step also goes to the run log (``events.jsonl``,
+``pearl.coordinator.runlog``), the records the simulator writes.
 
 On start the loop replays the journal: the last state is the starting state; every
 allocation it holds live, and every submission announced but never closed, is found
@@ -23,20 +29,24 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
 from pearl.cluster.backend import AllocationBackend, AllocationConfigError
 from pearl.coordinator.config import CoordinatorConfig, initial_state
-from pearl.coordinator.control import write_agents
+from pearl.coordinator.control import PlanOutcome, write_agents
 from pearl.coordinator.journal import Journal, replay
+from pearl.coordinator.reconcile import AgentEvent, GrantGate, lost_workers
+from pearl.coordinator.runlog import CoordinatorLog
 from pearl.core.apply import apply_plan
 from pearl.core.decide import decide
 from pearl.core.decision import Decision, ElasticRequest
 from pearl.core.observation import AllocationEnded, Event, Observation, TrainerStatus
 from pearl.core.plan import TransitionPlan
 from pearl.core.profile import RuntimeProfile
+from pearl.core.roles import TransitionError
 from pearl.core.state import AllocationKind, AllocationStatus, ClusterState
 from pearl.core.workload import WorkloadSnapshot
 from pearl.io.documents import parse, read_document
@@ -46,8 +56,12 @@ Clock = Callable[[], float]
 
 
 class ControlPlane(Protocol):
-    def execute(self, plan: TransitionPlan) -> bool:
-        """Carry out every step on the agents; True when all of them acknowledged."""
+    def execute(self, plan: TransitionPlan) -> PlanOutcome:
+        """Carry out the steps on the agents; say which were acknowledged."""
+        ...
+
+    def events(self) -> list[AgentEvent]:
+        """What happened to agents since the last call."""
         ...
 
     def agents(self) -> list[dict[str, Any]]:
@@ -94,6 +108,11 @@ class Coordinator:
         self.decisions = 0
         self._journalled: ClusterState | None = None  # each incarnation writes its first
         self._lost: list[Event] = self._reattach()
+        join_timeout_s = config.agents.join_timeout_s if config.agents else 0.0
+        self.gate = GrantGate(join_timeout_s) if control is not None else None
+        self.log = CoordinatorLog(
+            run_dir / "events.jsonl", config.run_id, config.profile, past.state, self.clock()
+        )
 
     def _reattach(self) -> list[Event]:
         """After a restart: watch again every allocation the journal says is live, and
@@ -128,16 +147,15 @@ class Coordinator:
         now_s = self.clock()
         lost, self._lost = self._lost, []
         obs = Observation(
-            events=(*lost, *self.backend.poll(now_s)),
+            events=(*lost, *self._allocation_events(now_s), *self._agent_events()),
             trainer=TrainerStatus(),
             workload=self.workload(),
         )
+        self._write_agents()  # before a plan that may take a while, and after it
         d = decide(self.state, obs, self.config.policy, self.profile, now_s)
         self.decisions += 1
-        self.state = d.state
-        if not _same(d.state, self._journalled):  # an unchanged state is not written again
-            self.journal.state(d.state, now_s)
-            self._journalled = d.state
+        self._record(d.state, now_s)
+        self.log.decision(d, now_s)
         for request in d.elastic.requests:
             aid = f"el{self._next_allocation:04d}"
             self._next_allocation += 1
@@ -156,23 +174,66 @@ class Coordinator:
                 retry=partial(self.backend.reattach, request, aid),
             )
         for aid in d.elastic.releases:
-            intent = f"release-{aid}-{self._new_intent()}"
-            self.journal.intent(intent, "release", now_s, allocation_id=aid)
-            self._act(intent, now_s, partial(self.backend.release, aid))
+            self._release(aid, now_s)
         if not d.plan.empty:
-            intent = f"plan-{self._new_intent()}"
-            self.journal.intent(intent, "plan", now_s, num_steps=len(d.plan.steps))
-            if self.control is not None and self.control.execute(d.plan):
-                self.state = apply_plan(d.state, d.plan, now_s)
-                self.journal.state(self.state, now_s)
-                self._journalled = self.state
-                self.journal.done(intent, now_s)
-            else:
-                why = "no control plane" if self.control is None else "not acknowledged"
-                self.journal.done(intent, now_s, ok=False, error=why)
+            self._execute(d.plan, now_s)
+        self._write_agents()
+        return d
+
+    def _write_agents(self) -> None:
         if self.control is not None:
             write_agents(self.agents_path, self.control.agents())
-        return d
+
+    def _allocation_events(self, now_s: float) -> list[Event]:
+        """The backend's events; with agents, a grant waits for its agents to join."""
+        events = self.backend.poll(now_s)
+        if self.gate is None or self.control is None:
+            return events
+        alive = {str(a["node"]) for a in self.control.agents() if a["state"] == "alive"}
+        events, give_up = self.gate.filter(events, alive, now_s)
+        for aid in give_up:
+            self._release(aid, now_s)
+        return events
+
+    def _agent_events(self) -> list[Event]:
+        if self.control is None:
+            return []
+        return lost_workers(self.state, self.control.events())
+
+    def _release(self, aid: str, now_s: float) -> None:
+        intent = f"release-{aid}-{self._new_intent()}"
+        self.journal.intent(intent, "release", now_s, allocation_id=aid)
+        self._act(intent, now_s, partial(self.backend.release, aid))
+
+    def _execute(self, plan: TransitionPlan, now_s: float) -> None:
+        """Hand the plan to the agents; the state keeps the steps whose effect stands."""
+        intent = f"plan-{self._new_intent()}"
+        self.journal.intent(intent, "plan", now_s, num_steps=len(plan.steps))
+        if self.control is None:
+            self.journal.done(intent, now_s, ok=False, error="no control plane")
+            return
+        outcome = self.control.execute(plan)
+        end_s = max(now_s, self.clock())
+        self.log.plan(plan, outcome, now_s)
+        done = plan if outcome.ok else _part(plan, outcome.carried_out)
+        if done.steps:
+            try:
+                after = apply_plan(self.state, done, now_s)
+                self._record(after.evolve(time_s=end_s), end_s)
+            except TransitionError as err:  # the part is not a consistent plan of its own
+                outcome = PlanOutcome(False, frozenset(), outcome.steps, f"{outcome.error}; {err}")
+        if outcome.ok:
+            self.journal.done(intent, end_s)
+        else:
+            self.journal.done(intent, end_s, ok=False, error=outcome.error or "not acknowledged")
+
+    def _record(self, state: ClusterState, now_s: float) -> None:
+        """The new state: journalled (unless unchanged), then logged."""
+        self.state = state
+        if not _same(state, self._journalled):  # an unchanged state is not written again
+            self.journal.state(state, now_s)
+            self._journalled = state
+        self.log.state(state, now_s)
 
     def _new_intent(self) -> int:
         self._next_intent += 1
@@ -213,8 +274,16 @@ class Coordinator:
             while not stop() and time.monotonic() < wake_s:
                 time.sleep(min(0.1, self.config.decision_interval_s))
 
-    def close(self) -> None:
+    def close(self, ended: str | None = None) -> None:
+        """Close the journal and the run log; ``ended``: why the run ended (None: it goes
+        on in the next incarnation)."""
+        self.log.close(self.clock(), ended)
         self.journal.close()
+
+
+def _part(plan: TransitionPlan, step_ids: frozenset[int]) -> TransitionPlan:
+    """The plan's steps in ``step_ids``, in order (a failed plan's part that stands)."""
+    return replace(plan, steps=tuple(s for s in plan.steps if s.step_id in step_ids))
 
 
 def _number(allocation_id: str) -> int:

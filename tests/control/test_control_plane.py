@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from control_procs import Coordinator, fake_engine_args, start_agent, stop_all
+from proc_tree import children, gone
 
 
 @pytest.fixture
@@ -156,6 +157,7 @@ def test_sigkill_mid_plan(coord: Coordinator, tmp_path: Path) -> None:
         coord.proc.stdin.write(json.dumps({"op": "execute", "steps": steps}) + "\n")
         coord.proc.stdin.flush()
         time.sleep(1.0)
+        (engine,) = children(victim, b"sleep")  # the victim's engine, still starting
         os.kill(victim, signal.SIGKILL)
         res = coord.read()
         took = time.monotonic() - t0
@@ -167,6 +169,7 @@ def test_sigkill_mid_plan(coord: Coordinator, tmp_path: Path) -> None:
         assert took < 8, took  # heartbeat timeout (1 s), not the 30 s command deadline
         agents = coord.call("agents")
         assert agents["a2"]["state"] == "dead"
+        assert gone(engine, 5.0)  # no engine outlives its agent
         res = coord.call(
             "execute",
             steps=[
@@ -194,19 +197,7 @@ def test_sigkill_mid_plan(coord: Coordinator, tmp_path: Path) -> None:
 
 
 def _fake_children(pid: int) -> list[int]:
-    out = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            stat = (d / "stat").read_text()
-            cmd = (d / "cmdline").read_bytes()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == pid and b"pearl.control.fakes" in cmd:
-            out.append(int(d.name))
-    return out
+    return children(pid, b"pearl.control.fakes")
 
 
 def test_sigusr2_preemption(coord: Coordinator, tmp_path: Path) -> None:

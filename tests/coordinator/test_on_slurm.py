@@ -5,6 +5,9 @@ state; requeued, it resumes from the journal without asking twice."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -13,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from proc_tree import children, gone
 from slurm_cluster import REPO, DevCluster, dev_cluster, wait_for
 
 from pearl.coordinator.journal import replay
@@ -199,6 +203,135 @@ def test_an_elastic_grant_brings_its_agent_and_a_preemption_takes_it_away(
         wait_for(lambda: agents()[0]["state"] in ("preempted", "gone"), 30, "the drain", cluster)
         wait_for(lambda: "el0001" not in _granted(journal), 40, "the allocation's end", cluster)
         assert coordinator.poll() is None  # the coordinator carries on
+    finally:
+        coordinator.terminate()
+        coordinator.communicate(timeout=30)
+        cluster.run("scancel", "-u", "root")
+
+
+def _agents(agents_file: Path) -> list[dict[str, object]]:
+    try:
+        return list(json.loads(agents_file.read_text()))
+    except (FileNotFoundError, json.JSONDecodeError):
+        return []
+
+
+def _pid(agent: dict[str, object]) -> int:
+    return int(str(agent["agent_id"]).rsplit("-", 1)[1])  # NODE-JOBID-PID
+
+
+def _open_plans(journal: Path) -> set[str]:
+    """Plans announced in the journal and not closed yet."""
+    open_ = set()
+    for line in journal.read_text().splitlines():
+        rec = json.loads(line)
+        data = rec["data"]
+        if rec["kind"] == "intent" and data.get("action") == "plan":
+            open_.add(data["id"])
+        elif rec["kind"] == "done":
+            open_.discard(data.get("id"))
+    return open_
+
+
+def _plans(journal: Path) -> list[dict[str, object]]:
+    """The plans' closing records: ok, error."""
+    plans = set()
+    out = []
+    for line in journal.read_text().splitlines():
+        rec = json.loads(line)
+        data = rec["data"]
+        if rec["kind"] == "intent" and data.get("action") == "plan":
+            plans.add(data["id"])
+        elif rec["kind"] == "done" and data.get("id") in plans:
+            out.append(data)
+    return out
+
+
+def _starting_engines(agent: dict[str, object]) -> list[int]:
+    """The agent's fake engines that do not listen yet (``--start-delay-s``)."""
+    out = []
+    for pid in children(_pid(agent), b"pearl.control.fakes"):
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        port = int(argv[argv.index(b"--port") + 1])
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) != 0:
+                out.append(pid)
+    return out
+
+
+def test_an_agent_killed_mid_plan_leaves_the_others_and_the_state_consistent(
+    cluster: DevCluster, tmp_path: Path
+) -> None:
+    """Two elastic allocations, one agent each, engines that take 4 s to start. While a
+    plan starts an engine, its agent is killed (SIGKILL). The coordinator keeps going, the
+    plan is closed as failed, the other agent and its engines are untouched, no worker of
+    the state is left on the killed allocation, and the next plans go on without it."""
+    config = _config(tmp_path)
+    doc = yaml.safe_load(config.read_text())
+    doc["policy"]["elastic"]["max_allocations"] = 2
+    doc["policy"]["switching"] = {"min_dwell_s": 0}
+    engine = f"{sys.executable} -m pearl.control.fakes --port {{port}} --start-delay-s 4"
+    doc["agents"] = {"engines": [f"*={engine}"], "grace_s": 5}
+    config.write_text(yaml.safe_dump(doc), encoding="utf-8")
+    run = tmp_path / "run"
+    trajs = [  # a batch that wants every GPU
+        {"traj_id": f"q{i}", "phase": "queued", "context_tokens": 6000, "remaining_turns": 8}
+        for i in range(2000)
+    ]
+    (run / "workload.json").write_text(json.dumps({"trajectories": trajs}), encoding="utf-8")
+    journal, agents_file = run / "journal.jsonl", run / "agents.json"
+    coordinator = _coordinator(cluster, config)
+    found: list[dict[str, object]] = []
+
+    def mid_plan() -> bool:
+        alive = [a for a in _agents(agents_file) if a["state"] == "alive"]
+        starting = [a for a in alive if _starting_engines(a)]
+        if len(alive) == 2 and starting and _open_plans(journal):
+            found[:] = [starting[0], next(a for a in alive if a is not starting[0])]
+            return True
+        return False
+
+    try:
+        wait_for(mid_plan, 90, "two agents and a plan starting an engine", cluster, poll_s=0.1)
+        victim, survivor = found
+        doomed = children(_pid(victim), b"pearl.control.fakes")
+        serving = children(_pid(survivor), b"pearl.control.fakes")
+        failed_before = sum(not p["ok"] for p in _plans(journal))
+        os.kill(_pid(victim), signal.SIGKILL)
+        assert all(gone(e, 10) for e in doomed)  # no engine outlives its agent
+        wait_for(
+            lambda: sum(not p["ok"] for p in _plans(journal)) > failed_before,
+            60,
+            "the failed plan",
+            cluster,
+        )
+
+        def victim_dead() -> bool:
+            states = {a["agent_id"]: a["state"] for a in _agents(agents_file)}
+            return states.get(victim["agent_id"]) == "dead"
+
+        wait_for(victim_dead, 30, "the killed agent declared dead", cluster)
+        killed_node = str(victim["node"])
+
+        def consistent() -> bool:
+            state = replay(journal).state
+            assert state is not None
+            gpus = state.gpu_by_id
+            on_killed = [  # the killed agent's allocation is one of the first two
+                w
+                for w in state.workers
+                if w.node == killed_node
+                and gpus[w.gpu_ids[0]].allocation_id in ("el0001", "el0002")
+            ]
+            on_survivor = [w for w in state.workers if w.node == survivor["node"]]
+            return not on_killed and bool(on_survivor)
+
+        wait_for(consistent, 60, "a state without the killed agent's workers", cluster)
+        why = _diagnosis(tmp_path)
+        assert coordinator.poll() is None, why  # the coordinator carries on
+        states = {a["agent_id"]: a["state"] for a in _agents(agents_file)}
+        assert states[survivor["agent_id"]] == "alive", why
+        assert not any(gone(e, 0.1) for e in serving), why  # its engines still serve
     finally:
         coordinator.terminate()
         coordinator.communicate(timeout=30)

@@ -1,0 +1,112 @@
+"""What the node agents report, folded into the coordinator's observations (pure).
+
+Two rules keep the state true to what runs on the nodes:
+
+- ``lost_workers``: an agent that dies (heartbeat timeout, its job gone) or leaves (``Bye``,
+  after a preemption) takes its node's workers with it; an agent that (re)joins reports
+  the workers it runs, and every worker the state places on its node that it does not
+  report is gone (after a restart, the agent's or the coordinator's, the engines were
+  stopped). Either way the state drops them (``WorkersLost``) and their GPUs are free for
+  the next plan.
+- ``GrantGate``: Slurm's grant is not yet a usable allocation; its GPUs are usable once an
+  agent on each of its nodes has joined. Until then the grant is held back, so no plan is
+  made for nodes nobody can act on. A grant whose agents do not all join within
+  ``join_timeout_s`` is given up: the caller releases the allocation, and the core sees it
+  end (reason ``no agent``). A grant that is taken back (preempted or ended) before its
+  agents joined is dropped; its other events pass.
+
+No I/O and no clock: the run clock comes in as ``now_s``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from pearl.core.observation import (
+    AllocationEnded,
+    AllocationGranted,
+    AllocationPreempting,
+    Event,
+    WorkersLost,
+)
+from pearl.core.state import ClusterState
+
+LEFT = frozenset({"dead", "gone"})
+
+
+@dataclass(frozen=True)
+class AgentEvent:
+    """One thing that happened to an agent: ``kind`` is joined, preempted, gone, dead or
+    refused; ``workers`` are those it reported when it joined."""
+
+    kind: str
+    agent_id: str
+    node: str
+    detail: str = ""
+    workers: tuple[str, ...] = ()
+
+
+def lost_workers(state: ClusterState, events: Iterable[AgentEvent]) -> list[Event]:
+    """``WorkersLost`` for the workers on the nodes of agents that left or rejoined
+    without them, each worker at most once."""
+    out: list[Event] = []
+    seen: set[str] = set()
+    for ev in events:
+        if ev.kind in LEFT:
+            keep: frozenset[str] = frozenset()
+            reason = f"agent {ev.agent_id} {ev.kind}: {ev.detail}"
+        elif ev.kind == "joined":
+            keep = frozenset(ev.workers)
+            reason = f"agent {ev.agent_id} joined without them"
+        else:
+            continue
+        gone = tuple(
+            w.worker_id
+            for w in state.workers
+            if w.node == ev.node and w.worker_id not in keep and w.worker_id not in seen
+        )
+        if gone:
+            seen.update(gone)
+            out.append(WorkersLost(worker_ids=gone, reason=reason))
+    return out
+
+
+@dataclass
+class _Held:
+    grant: AllocationGranted
+    since_s: float
+
+
+class GrantGate:
+    def __init__(self, join_timeout_s: float) -> None:
+        self.join_timeout_s = join_timeout_s
+        self._held: dict[str, _Held] = {}
+
+    @property
+    def held(self) -> tuple[str, ...]:
+        """Allocations granted by Slurm whose agents have not all joined yet."""
+        return tuple(self._held)
+
+    def filter(
+        self, events: Sequence[Event], nodes_with_agents: set[str], now_s: float
+    ) -> tuple[list[Event], list[str]]:
+        """The events to observe now, and the allocations to release (no agent in time)."""
+        out: list[Event] = []
+        for ev in events:
+            if isinstance(ev, AllocationGranted):
+                self._held.setdefault(ev.allocation_id, _Held(ev, now_s))
+                continue
+            if isinstance(ev, AllocationPreempting | AllocationEnded):
+                self._held.pop(ev.allocation_id, None)
+            out.append(ev)
+        give_up: list[str] = []
+        for aid, h in list(self._held.items()):
+            if all(n.node in nodes_with_agents for n in h.grant.nodes):
+                out.append(h.grant)
+                del self._held[aid]
+            elif now_s - h.since_s > self.join_timeout_s:
+                give_up.append(aid)
+                out.append(AllocationEnded(allocation_id=aid, reason="no agent"))
+                del self._held[aid]
+        return out, give_up

@@ -1,0 +1,98 @@
+"""The coordinator's run log: ``RUN_DIR/events.jsonl``, the schema the simulator writes.
+
+A requeued coordinator appends to the same file: ``run_started`` is written once, when the
+file is new, and the timeline continues from the journalled state (the records of a
+change are written after it is journalled, so a crash between the two can lose the
+records of the last change, never invent one). Times are the run clock.
+
+What is logged: the GPU, worker and allocation changes of each new state
+(``pearl.run_records.state_records``); a ``decision`` record when a decision plans, asks
+for or releases allocations, or lends or returns GPUs, and otherwise at most once every
+``quiet_decision_interval_s``; a ``plan_step`` record per step executed; ``run_ended``
+when the run ends (not when a signal stops this incarnation: the next one continues).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pearl.coordinator.control import PlanOutcome
+from pearl.core.decision import BorrowKind, Decision
+from pearl.core.plan import TransitionPlan
+from pearl.core.state import ClusterState
+from pearl.io.runlog import RunLogWriter
+from pearl.logschema import PlanStepDone, RunEnded, RunStarted
+from pearl.run_records import BorrowJournal, decision_record, state_records
+
+POLICY = "pearl"
+
+
+class CoordinatorLog:
+    def __init__(
+        self,
+        path: Path,
+        run_id: str,
+        profile: str,
+        logged: ClusterState | None,
+        now_s: float,
+        quiet_decision_interval_s: float = 60.0,
+    ) -> None:
+        fresh = not path.exists() or path.stat().st_size == 0
+        self._writer = RunLogWriter(path)
+        self._logged = logged
+        self._borrows = BorrowJournal()
+        self._quiet_s = quiet_decision_interval_s
+        self._last_decision_s: float | None = None
+        if fresh:
+            self._writer.write(
+                RunStarted.model_construct(
+                    t=now_s,
+                    run_id=run_id,
+                    source="coordinator",
+                    policy=POLICY,
+                    scenario="",
+                    seed=None,
+                    profile=profile,
+                )
+            )
+
+    def state(self, state: ClusterState, now_s: float) -> None:
+        for record in state_records(self._logged, state, now_s):
+            self._writer.write(record)
+        self._logged = state
+
+    def decision(self, d: Decision, now_s: float) -> None:
+        acted = (
+            not d.plan.empty
+            or d.elastic.requests
+            or d.elastic.releases
+            or d.borrow.kind not in (BorrowKind.NONE, BorrowKind.KEEP)
+        )
+        last = self._last_decision_s
+        if acted or last is None or now_s - last >= self._quiet_s:
+            self._writer.write(decision_record(now_s, POLICY, d))
+            self._last_decision_s = now_s
+        borrow = self._borrows.record(now_s, d)
+        if borrow is not None:
+            self._writer.write(borrow)
+
+    def plan(self, plan: TransitionPlan, outcome: PlanOutcome, now_s: float) -> None:
+        steps = {s.step_id: s for s in plan.steps}
+        for s in outcome.steps:
+            step = steps[s.step_id]
+            self._writer.write(
+                PlanStepDone.model_construct(
+                    t=now_s + s.ended_s,
+                    action=step.action.value,
+                    worker_id=step.worker_id,
+                    started_t=now_s + s.started_s,
+                    ok=s.ok,
+                    error=s.error,
+                )
+            )
+
+    def close(self, now_s: float, ended: str | None) -> None:
+        """Flush and close; ``ended`` is the reason the run ended, None if it goes on."""
+        if ended is not None:
+            self._writer.write(RunEnded.model_construct(t=now_s, reason=ended))
+        self._writer.close()

@@ -1,0 +1,70 @@
+"""Agents' reports folded into observations: lost workers, and grants held for agents."""
+
+from __future__ import annotations
+
+from pearl.coordinator.reconcile import AgentEvent, GrantGate, lost_workers
+from pearl.core.observation import (
+    AllocationEnded,
+    AllocationGranted,
+    AllocationPending,
+    AllocationPreempting,
+    GrantedNode,
+    WorkersLost,
+)
+from pearl.synth import Layout, build_state
+
+
+def _grant(aid: str, *nodes: str) -> AllocationGranted:
+    return AllocationGranted(
+        allocation_id=aid,
+        nodes=tuple(GrantedNode(node=n, gpu_type="h20", num_gpus=2) for n in nodes),
+    )
+
+
+def test_an_agent_that_leaves_takes_its_nodes_workers() -> None:
+    state = build_state(Layout(1, 2, 0))
+    node = state.workers[-1].node
+    on_node = {w.worker_id for w in state.workers if w.node == node}
+    events = [
+        AgentEvent("joined", "a9", "elsewhere"),  # no worker there: nothing lost
+        AgentEvent("preempted", "a1", node, "grace 5 s"),  # not gone yet
+        AgentEvent("dead", "a1", node, "no heartbeat for 3.1 s"),
+        AgentEvent("gone", "a1", node, "bye"),  # the same workers are not lost twice
+    ]
+    (lost,) = lost_workers(state, events)
+    assert isinstance(lost, WorkersLost)
+    assert set(lost.worker_ids) == on_node and "a1 dead: no heartbeat" in lost.reason
+
+
+def test_an_agent_that_rejoins_keeps_only_the_workers_it_reports() -> None:
+    state = build_state(Layout(1, 2, 0))
+    node = state.workers[-1].node
+    on_node = sorted(w.worker_id for w in state.workers if w.node == node)
+    assert len(on_node) >= 2
+    (lost,) = lost_workers(state, [AgentEvent("joined", "a2", node, workers=(on_node[0],))])
+    assert isinstance(lost, WorkersLost) and list(lost.worker_ids) == on_node[1:]
+    assert lost_workers(state, [AgentEvent("joined", "a2", node, workers=tuple(on_node))]) == []
+
+
+def test_a_grant_waits_for_an_agent_on_each_of_its_nodes() -> None:
+    gate = GrantGate(join_timeout_s=60.0)
+    pending = AllocationPending(allocation_id="el1", gpu_type="h20", num_gpus=4)
+    grant = _grant("el1", "h20-1", "h20-2")
+    out, give_up = gate.filter([pending, grant], set(), 10.0)
+    assert out == [pending] and give_up == [] and gate.held == ("el1",)
+    out, _ = gate.filter([], {"h20-1"}, 20.0)  # one of two nodes: still held
+    assert out == [] and gate.held == ("el1",)
+    out, _ = gate.filter([], {"h20-1", "h20-2"}, 30.0)
+    assert out == [grant] and gate.held == ()
+
+
+def test_a_grant_without_agents_is_given_up_and_one_taken_back_is_dropped() -> None:
+    gate = GrantGate(join_timeout_s=60.0)
+    gate.filter([_grant("el1", "h20-1"), _grant("el2", "h20-2")], set(), 0.0)
+    out, give_up = gate.filter([], set(), 60.0)  # not more than the timeout yet
+    assert out == [] and give_up == []
+    taken = AllocationPreempting(allocation_id="el2", deadline_s=70.0)
+    out, give_up = gate.filter([taken], set(), 60.5)
+    assert give_up == ["el1"]
+    assert out == [taken, AllocationEnded(allocation_id="el1", reason="no agent")]
+    assert gate.held == ()

@@ -1,0 +1,38 @@
+"""Processes as the tests see them, from ``/proc`` (Linux): children of a process, and
+whether one has gone."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+
+def children(pid: int, marker: bytes) -> list[int]:
+    """Processes whose parent is ``pid`` and whose command line contains ``marker``."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+            cmd = (d / "cmdline").read_bytes()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == pid and marker in cmd:
+            out.append(int(d.name))
+    return out
+
+
+def gone(pid: int, timeout_s: float) -> bool:
+    """Whether ``pid`` exits within ``timeout_s`` (a zombie counts as gone)."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return True
+        if state == "Z":  # exited; its new parent has not reaped it yet
+            return True
+        time.sleep(0.05)
+    return False
