@@ -60,6 +60,9 @@ class CoordinatorConfig(Frozen):
     qos: str | None = Field(None, description="Slurm QOS of elastic jobs (None: none).")
     poll_interval_s: PosFloat = Field(5.0, description="Fewest seconds between Slurm queries.")
     decision_interval_s: PosFloat = Field(10.0, description="Seconds between decisions.")
+    journal_max_bytes: PosInt = Field(
+        64 << 20, description="Size past which the journal is compacted (last state kept)."
+    )
     base: BaseJob = Field(description="The base job's nodes.")
     policy: PolicyConfig = Field(PolicyConfig(), description="pearl's decision policy.")
     agents: AgentSection | None = Field(

@@ -16,9 +16,16 @@ being written: a last line without its newline is dropped (and cut off when the 
 is opened again, ``valid_bytes``); a malformed line anywhere else is corruption and
 raises an ``InputError`` naming the file and line.
 
-Invariants: ``seq`` increases by one per record from 0; replaying a journal and
-appending to it continues the sequence; the state a replay returns is the last one
-written, validated (``ClusterState``).
+Compaction (``Journal.compact``, when the file has grown past a size): the journal is
+rewritten as the last state plus the submissions that state does not hold yet, into a
+temporary file that is fsync'd and renamed over the journal, so a crash leaves either the
+old journal or the new one, never a mix. Replaying the compacted journal gives the same
+state and the same submissions to look for.
+
+Invariants: ``seq`` increases by one per record (from 0, or from the first record of a
+compacted journal, which keeps counting); replaying a journal and appending to it
+continues the sequence; the state a replay returns is the last one written, validated
+(``ClusterState``).
 """
 
 from __future__ import annotations
@@ -62,6 +69,8 @@ def replay(path: Path) -> Replay:
     for number, line in enumerate(lines[:-1], start=1):
         try:
             record = json.loads(line)
+            if number == 1 and isinstance(record, dict) and isinstance(record.get("seq"), int):
+                out.next_seq = record["seq"]  # a compacted journal keeps counting
             _check(record, out.next_seq)
         except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as err:
             raise InputError(path, f"line {number}", f"corrupt journal record: {err}") from None
@@ -138,6 +147,37 @@ class Journal:
 
     def done(self, intent_id: str, t: float, ok: bool = True, error: str = "") -> int:
         return self.append("done", {"id": intent_id, "ok": ok, "error": error}, t)
+
+    def size_bytes(self) -> int:
+        return self._file.tell()
+
+    def compact(self, state: ClusterState, t: float, submitted: dict[str, dict[str, Any]]) -> None:
+        """Rewrite the journal as ``state`` plus the submissions it does not hold yet."""
+        held = {a.allocation_id for a in state.allocations}
+        records: list[tuple[Kind, dict[str, Any]]] = [("state", state.model_dump(mode="json"))]
+        records += [("intent", i) for aid, i in submitted.items() if aid not in held]
+        tmp = self.path.with_name(self.path.name + ".compact")
+        with tmp.open("w", encoding="utf-8") as f:
+            for n, (kind, data) in enumerate(records):
+                rec = {
+                    "v": JOURNAL_VERSION,
+                    "seq": self.seq + n,
+                    "t": t,
+                    "kind": kind,
+                    "data": data,
+                }
+                f.write(json.dumps(rec, separators=(",", ":")) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        self._file.close()
+        os.replace(tmp, self.path)
+        dir_fd = os.open(self.path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)  # the rename itself is durable
+        finally:
+            os.close(dir_fd)
+        self.seq += len(records)
+        self._file = self.path.open("a", encoding="utf-8")
 
     def close(self) -> None:
         if not self._file.closed:

@@ -127,3 +127,26 @@ def test_a_second_writer_is_refused_while_the_first_holds_the_journal(tmp_path: 
             Journal(path, 1)
     with Journal(path, replay(path).next_seq) as again:  # released on close
         again.intent("x", "plan", t=1.0)
+
+
+def test_a_compacted_journal_replays_to_the_same_state_and_submissions(tmp_path: Path) -> None:
+    path = tmp_path / "journal.jsonl"
+    state = _state()
+    held = next(a.allocation_id for a in state.allocations if a.kind.value == "elastic")
+    with Journal(path) as j:
+        for i in range(50):
+            j.state(state.evolve(time_s=float(i)), t=float(i))
+        j.intent(held, "submit", t=50.0, num_gpus=8)  # the state holds it: not kept
+        j.intent("el0042", "submit", t=51.0, num_gpus=8)  # announced, not in the state yet
+        j.done("el0042", t=52.0)
+        j.state(state, t=53.0)
+        before = replay(path)
+        size = j.size_bytes()
+        j.compact(state, 54.0, before.submitted)
+        assert j.size_bytes() < size / 10
+        assert j.intent("p1", "plan", t=55.0) == before.next_seq + 2  # the count goes on
+    after = replay(path)
+    assert after.state == state
+    assert list(after.submitted) == ["el0042"]
+    assert after.next_seq == before.next_seq + 3 and after.num_records == 3
+    assert not path.with_name(path.name + ".compact").exists()
