@@ -4,7 +4,10 @@ Threads (MPI initialised with ``THREAD_MULTIPLE``):
 - *accept thread*: serves TCP knocks (:mod:`pearl.control.rendezvous`) and, for each
   admitted one, calls ``Accept`` on the open port. ``Accept`` is only called when a peer is
   about to ``Connect`` because a pending ``Accept`` stalls all other traffic (see
-  :mod:`pearl.control.mpi`); while it runs, liveness checks are suspended.
+  :mod:`pearl.control.mpi`); while it runs, liveness checks are suspended. A peer that
+  knocks and never connects (it died in between) would leave ``Accept`` pending forever:
+  after ``accept_timeout_s`` a watchdog connects in its place and the connection, which
+  never says hello, is dropped.
 - *io thread*: the only thread that touches the intercommunicators. It receives and
   validates messages, answers ``Hello`` (token checked again, GPUs registered), sends
   heartbeats, declares an agent dead after ``missed_heartbeats`` intervals without any
@@ -45,7 +48,7 @@ from pearl.control.messages import (
 )
 from pearl.control.mpi import load_mpi
 from pearl.control.portfile import PortInfo, new_token, remove_port_file, write_port_file
-from pearl.control.rendezvous import KnockListener
+from pearl.control.rendezvous import ACCEPT_TIMEOUT_S, AcceptWatchdog, KnockListener
 
 log = logging.getLogger(__name__)
 HELLO_TIMEOUT_S = 5.0
@@ -111,11 +114,13 @@ class ControlServer:
         knock_host: str | None = None,
         allocation_alive: Callable[[AgentInfo], bool | None] | None = None,
         token: str | None = None,
+        accept_timeout_s: float = ACCEPT_TIMEOUT_S,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.heartbeat_s = heartbeat_s
         self.missed_heartbeats = missed_heartbeats
         self.allocation_alive = allocation_alive
+        self.accept_timeout_s = accept_timeout_s
         self._mpi = load_mpi("multiple")
         self._token = token or new_token()
         self._knock = KnockListener(knock_host or socket.gethostname(), self._token)
@@ -252,15 +257,20 @@ class ControlServer:
                 continue
             if k is None:
                 continue
+            watchdog = AcceptWatchdog(self.port, self.accept_timeout_s)
             try:
                 with self._lock:
                     self._accepting_since = time.monotonic()
                 self._knock.admit(k)
+                watchdog.start()
                 comm = self._mpi.COMM_SELF.Accept(self.port)
-                self._new_comms.put(comm)
+                self._new_comms.put(comm)  # the unblocker's, if it fired: no hello, dropped
+                if watchdog.fired:
+                    log.warning("%s knocked but did not connect; unblocked", k.agent_id)
             except (OSError, self._mpi.Exception) as e:
                 log.warning("accept for %s failed: %s", k.agent_id, e)
             finally:
+                watchdog.cancel()
                 with self._lock:
                     # liveness clocks restart: nobody could talk while Accept was pending
                     stalled = time.monotonic() - (self._accepting_since or time.monotonic())

@@ -6,6 +6,12 @@ means the coordinator is calling ``Accept`` now and the agent must ``Connect``;
 ``{"ok": false, "error": ...}`` is a refusal (wrong token). A wrong token therefore never
 reaches MPI at all; the token is checked again in ``Hello``. Knocks are served one at a
 time; each one is bounded by a short socket timeout so a silent peer blocks nobody.
+
+``AcceptWatchdog``: MPI has no timeout on ``Accept``, so when an admitted peer does not
+connect within ``ACCEPT_TIMEOUT_S`` (it died after knocking), the watchdog starts a short
+MPI process (``python -m pearl.control.rendezvous --unblock``) that connects to the port
+and exits, which completes the pending ``Accept``. If the ``Accept`` completed first, the
+unblocker is killed before it can take the next peer's ``Accept``.
 """
 
 from __future__ import annotations
@@ -13,12 +19,17 @@ from __future__ import annotations
 import contextlib
 import hmac
 import json
+import os
 import socket
+import subprocess
+import sys
+import threading
 import time
 from dataclasses import dataclass
 
 KNOCK_VERSION = 1
 KNOCK_TIMEOUT_S = 5.0
+ACCEPT_TIMEOUT_S = 10.0  # an admitted peer connects within milliseconds
 MAX_LINE = 4096
 
 
@@ -100,3 +111,59 @@ def knock(host: str, port: int, token: str, agent_id: str) -> socket.socket:
         sock.close()
         raise KnockRefused(str(reply.get("error") if isinstance(reply, dict) else reply))
     return sock
+
+
+class AcceptWatchdog:
+    """Completes a pending ``Accept`` on ``port`` if nobody connects within ``timeout_s``."""
+
+    def __init__(self, port: str, timeout_s: float) -> None:
+        self.port, self.fired = port, False
+        self._timer = threading.Timer(timeout_s, self._fire)
+        self._timer.daemon = True
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        self._timer.start()
+
+    def _fire(self) -> None:
+        from pearl.control.agent import find_mpiexec  # the agent's launcher, MPICH's Hydra
+
+        mpiexec = find_mpiexec()
+        if mpiexec is None:
+            return
+        cmd = [mpiexec, "-launcher", "fork", "-n", "1", sys.executable, "-m", __name__]
+        with self._lock:
+            self.fired = True
+            self._proc = subprocess.Popen(
+                [*cmd, "--unblock", self.port], stdin=subprocess.DEVNULL, start_new_session=True
+            )
+
+    def cancel(self) -> None:
+        """The ``Accept`` returned: stop the timer, and an unblocker still connecting."""
+        self._timer.cancel()
+        with self._lock:
+            proc = self._proc
+        if proc is None:
+            return
+        try:
+            proc.wait(timeout=2.0)  # it connected (that is why Accept returned) and exits
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, 9)
+            proc.wait()
+
+
+def _unblock(port: str) -> int:
+    from pearl.control.mpi import load_mpi
+
+    mpi = load_mpi("single")
+    mpi.COMM_SELF.Connect(port)
+    os._exit(0)  # no Disconnect: it is collective, and the other side never answers
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--unblock":
+        sys.exit(_unblock(sys.argv[2]))
+    print("usage: python -m pearl.control.rendezvous --unblock PORT", file=sys.stderr)
+    sys.exit(2)

@@ -42,7 +42,11 @@ def _plan(steps: list[dict[str, object]]) -> TransitionPlan:
 
 def main() -> int:
     server = ControlServer(
-        sys.argv[1], heartbeat_s=0.2, missed_heartbeats=5, knock_host="127.0.0.1"
+        sys.argv[1],
+        heartbeat_s=0.2,
+        missed_heartbeats=5,
+        knock_host="127.0.0.1",
+        accept_timeout_s=2.0,
     )
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:

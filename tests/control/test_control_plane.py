@@ -15,6 +15,9 @@ import pytest
 from control_procs import Coordinator, fake_engine_args, start_agent, stop_all
 from proc_tree import children, gone
 
+from pearl.control.portfile import read_port_file
+from pearl.control.rendezvous import knock
+
 
 @pytest.fixture
 def coord(tmp_path: Path) -> Iterator[Coordinator]:
@@ -78,6 +81,25 @@ def test_wrong_token_is_refused_and_others_stay(coord: Coordinator, tmp_path: Pa
         assert res["ok"], res
         agents = coord.call("agents")
         assert set(agents) == {"good"} and agents["good"]["state"] == "alive"
+    finally:
+        stop_all(procs)
+
+
+def test_a_peer_that_knocks_and_dies_does_not_block_the_next(
+    coord: Coordinator, tmp_path: Path
+) -> None:
+    """Admitted, it never connects: the pending Accept is completed by the watchdog (2 s
+    in the harness) and the next agent connects and works."""
+    info = read_port_file(tmp_path)
+    sock = knock(info.knock_host, info.knock_port, info.token, "ghost")
+    sock.close()  # admitted, and gone before Connect
+    t0 = time.monotonic()
+    procs = [start_agent(tmp_path, "a0", "n0", "--null-workers")]
+    try:
+        coord.call("wait", n=1, timeout=30)
+        assert time.monotonic() - t0 < 20
+        assert coord.call("execute", steps=_steps(["n0"], 4))["ok"]
+        assert set(coord.call("agents")) == {"a0"}  # the unblocker never registers
     finally:
         stop_all(procs)
 
