@@ -5,11 +5,12 @@ logged once, when decided, not at every decision while it is under way).
 
 ``state_records(before, after, t)`` is how the simulator and the coordinator log the GPU
 and worker timeline the same way: a GPU that appears is ``gpu_added`` (with its source
-and allocation), one that disappears ``gpu_removed`` (the reason: its allocation's status,
-else ``gone``); a worker that appears, or changes phase or role, is ``worker_phase``, and
-one that disappears is ``worker_phase`` with phase ``gone``; an elastic allocation whose
-status changed is ``allocation``. Records come in that order (GPUs before the workers
-placed on them), each list sorted by id, so equal inputs give identical logs.
+and allocation), one that disappears ``gpu_removed`` (the reason: why its allocation
+ended, else its status, else ``gone``); a worker that appears, or changes phase or role,
+is ``worker_phase``, and one that disappears is ``worker_phase`` with phase ``gone``; an
+elastic allocation whose status changed is ``allocation``. Records come in that order
+(GPUs before the workers placed on them), each list sorted by id, so equal inputs give
+identical logs.
 
 Cost: one pass over each state's GPUs, workers and allocations; states that share their
 tuples (``ClusterState.evolve``) are recognised and skipped.
@@ -84,7 +85,12 @@ class BorrowJournal:
         )
 
 
-def state_records(before: ClusterState | None, after: ClusterState, t: float) -> list[Record]:
+def state_records(
+    before: ClusterState | None, after: ClusterState, t: float, allocations: bool = True
+) -> list[Record]:
+    """The records of the change from ``before`` (None: nothing logged yet) to ``after``;
+    ``allocations=False`` leaves out the allocation records (the simulator writes its own,
+    from its Slurm model: ``requested``, ``released``)."""
     out: list[Record] = []
     old_gpus = {} if before is None else before.gpu_by_id
     old_workers = {} if before is None else before.worker_by_id
@@ -105,7 +111,7 @@ def state_records(before: ClusterState | None, after: ClusterState, t: float) ->
             )
         for gid in sorted(old_gpus.keys() - new_gpus.keys()):
             alloc = after.allocation_by_id.get(old_gpus[gid].allocation_id)
-            reason = alloc.status.value if alloc is not None else "gone"
+            reason = (alloc.end_reason or alloc.status.value) if alloc is not None else "gone"
             out.append(GpuRemoved.model_construct(t=t, gpu_id=gid, reason=reason))
     if before is None or before.workers is not after.workers:
         new_workers = after.worker_by_id
@@ -115,7 +121,7 @@ def state_records(before: ClusterState | None, after: ClusterState, t: float) ->
                 out.append(_phase(w, t, w.phase.value))
         for wid in sorted(old_workers.keys() - new_workers.keys()):
             out.append(_phase(old_workers[wid], t, "gone"))
-    if before is None or before.allocations is not after.allocations:
+    if allocations and (before is None or before.allocations is not after.allocations):
         for aid, a in sorted(after.allocation_by_id.items()):
             old_a = old_allocs.get(aid)
             if a.kind is AllocationKind.ELASTIC and (old_a is None or old_a.status is not a.status):
@@ -126,7 +132,7 @@ def state_records(before: ClusterState | None, after: ClusterState, t: float) ->
                         status=a.status.value,
                         gpu_type=a.gpu_type or "",
                         num_gpus=a.num_gpus,
-                        reason="",
+                        reason=a.end_reason,
                     )
                 )
     return out

@@ -63,10 +63,11 @@ def test_a_grant_a_role_change_a_loss_and_an_end() -> None:
         "gone",
     )
 
-    ended = observe(lost, Observation(events=(AllocationEnded(allocation_id="el0001"),)), 40.0)
+    end = AllocationEnded(allocation_id="el0001", reason="preempted")
+    ended = observe(lost, Observation(events=(end,)), 40.0)
     records = state_records(lost, ended, 40.0)
     assert [(type(r), getattr(r, "reason", None)) for r in records] == [
-        (GpuRemoved, "ended"),
-        (GpuRemoved, "ended"),
-        (AllocationChanged, ""),
+        (GpuRemoved, "preempted"),
+        (GpuRemoved, "preempted"),
+        (AllocationChanged, "preempted"),
     ]

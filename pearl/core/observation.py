@@ -127,7 +127,7 @@ def observe(state: ClusterState, obs: Observation, now_s: float) -> ClusterState
                 )
         elif old is not None:  # AllocationEnded
             allocations[ev.allocation_id] = old.model_copy(
-                update={"status": AllocationStatus.ENDED}
+                update={"status": AllocationStatus.ENDED, "end_reason": ev.reason}
             )
             lost = {g.gpu_id for g in gpus if g.allocation_id == ev.allocation_id}
             gpus = [g for g in gpus if g.gpu_id not in lost]

@@ -97,6 +97,7 @@ class Allocation(Frozen):
     end_by_s: NonNegFloat | None = Field(
         None, description="Time the GPUs must be free: preemption deadline or time limit."
     )
+    end_reason: str = Field("", description="Why it ended (preempted, released, timeout, ...).")
 
 
 class BorrowWindow(Frozen):

@@ -209,7 +209,7 @@ class Simulation:
         (at each decision and at the end of each plan: roles at plan granularity; the
         plan's steps are logged as they end)."""
         if self.sink is not None:
-            for record in state_records(self.logged_state, self.state, now_s):
+            for record in state_records(self.logged_state, self.state, now_s, allocations=False):
                 self.sink(record)
             self.logged_state = self.state
 
