@@ -22,6 +22,7 @@ def test_environment_yml_matches_pyproject() -> None:
     wanted = _names(project["dependencies"])
     wanted |= _names(project["optional-dependencies"]["slurm"])
     wanted |= _names(project["optional-dependencies"]["dev"])
+    wanted |= _names(project["optional-dependencies"]["analysis"])
     env = yaml.safe_load((ROOT / "environment.yml").read_text())
     conda = _names([d for d in env["dependencies"] if isinstance(d, str)])
     assert "conda-forge" in env["channels"]

@@ -35,6 +35,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     ct.add_argument("--repeats", type=int, default=100, help="timed 64-step plans")
     ct.add_argument("--json", action="store_true", help="print only the JSON object")
     ct.set_defaults(run=_run_control)
+    an = which.add_parser("analyze", help="pearl analyze on a synthetic run log")
+    an.add_argument("--events", type=int, default=1_000_000, help="records in the log")
+    an.add_argument("--json", action="store_true", help="print only the JSON object")
+    an.set_defaults(run=_run_analyze)
 
 
 def _run_decide(args: argparse.Namespace) -> int:
@@ -69,3 +73,11 @@ def _run_control(args: argparse.Namespace) -> int:
 
     argv = ["--agents", str(args.agents), "--repeats", str(args.repeats)]
     return main([*argv, "--json"] if args.json else argv)  # exits the process (no Finalize)
+
+
+def _run_analyze(args: argparse.Namespace) -> int:
+    if args.events < 100:
+        raise InputError("<command line>", "--events", "need >= 100")
+    from analysis.bench import bench_analyze  # draws with matplotlib (the analysis extra)
+
+    return _print(bench_analyze(args.events), args.json)

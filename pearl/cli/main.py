@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from pearl.cli import agent, bench, coordinator, plan, simulate
+from pearl.cli import agent, analyze, bench, coordinator, plan, simulate
 from pearl.io.documents import InputError
 
 
@@ -22,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_parser(sub)
     coordinator.add_parser(sub)
     agent.add_parser(sub)
+    analyze.add_parser(sub)
     return parser
 
 

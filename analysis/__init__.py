@@ -1,0 +1,1 @@
+"""Post-hoc analysis of pearl runs: event logs and Slurm accounting."""

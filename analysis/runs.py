@@ -1,0 +1,182 @@
+"""Finding run logs on disk and analysing each one in a single streaming pass.
+
+The rule for a ``RUN_DIR`` argument (``docs/analysis.md``):
+
+- a file is one run log, whatever its name;
+- a directory holding ``events.jsonl`` (a coordinator run) or ``seed*.jsonl`` files (one
+  policy of ``pearl simulate``) contributes those files;
+- otherwise its immediate sub-directories are searched the same way (a ``pearl simulate
+  --out`` directory holds one sub-directory per policy).
+
+Nothing else is read: in particular the coordinator's ``journal.jsonl`` (its write-ahead
+journal of states, not a run log) is never taken for one. A missing path, or a directory
+where the rule finds nothing, is an ``InputError`` naming the path (exit status 2).
+
+``analyze_log`` reads a log once with ``pearl.io.runlog.read_records`` (skipping and
+counting malformed lines, unknown types, other schema versions and invalid records) and
+feeds every record to the accumulators of ``analysis.metrics``, ``analysis.control`` and
+``analysis.timeline``; memory grows with the run's duration and control events, not
+with its trajectories.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from analysis.control import BorrowWindows, ElasticAllocations, PdTimeline
+from analysis.metrics import Batches, RunInfo, Throughput, Training
+from analysis.timeline import GpuTimeline
+from pearl.io.documents import InputError
+from pearl.io.runlog import ReadStats, read_records
+from pearl.logschema import Record
+
+RUN_LOG_NAME = "events.jsonl"
+SEED_LOG_GLOB = "seed*.jsonl"
+
+
+@dataclass(frozen=True)
+class RunLog:
+    path: Path
+    name: str  # a short label: "POLICY/seedN" or the run directory's name
+
+
+def _logs_in(directory: Path) -> list[Path]:
+    found = [directory / RUN_LOG_NAME] if (directory / RUN_LOG_NAME).is_file() else []
+    return found + sorted(p for p in directory.glob(SEED_LOG_GLOB) if p.is_file())
+
+
+def _label(path: Path) -> str:
+    if path.name == RUN_LOG_NAME:
+        return path.parent.name or "run"
+    return f"{path.parent.name}/{path.stem}" if path.parent.name else path.stem
+
+
+def find_run_logs(paths: Sequence[Path]) -> list[RunLog]:
+    """The run logs the arguments name, by the rule of the module docstring."""
+    found: list[Path] = []
+    for path in paths:
+        if not path.exists():
+            raise InputError(path, "", "no such file or directory")
+        if path.is_file():
+            found.append(path)
+            continue
+        logs = _logs_in(path)
+        if not logs:
+            subdirs = sorted(p for p in path.iterdir() if p.is_dir())
+            logs = [log for sub in subdirs for log in _logs_in(sub)]
+        if not logs:
+            raise InputError(
+                path, "", f"no run log ({RUN_LOG_NAME} or {SEED_LOG_GLOB}) here or one level down"
+            )
+        found += logs
+    out: list[RunLog] = []
+    names: set[str] = set()
+    for p in dict.fromkeys(found):  # each file once, in order
+        name, k = _label(p), 2
+        while name in names:
+            name, k = f"{_label(p)}#{k}", k + 1
+        names.add(name)
+        out.append(RunLog(p, name))
+    return out
+
+
+@dataclass
+class RunAnalysis:
+    """Everything one pass over a run log produced: the summary and the plot series."""
+
+    log: RunLog
+    stats: ReadStats
+    info: RunInfo
+    throughput: Throughput
+    training: Training
+    batches: Batches
+    pd: PdTimeline
+    borrow: BorrowWindows
+    elastic: ElasticAllocations
+    timeline: GpuTimeline
+    max_return_delay_s: float | None = None
+
+    @property
+    def end_t(self) -> float:
+        return self.info.end_t
+
+    def read_summary(self) -> dict[str, Any]:
+        s = self.stats
+        skipped = s.malformed + s.unknown_type + s.other_version + s.invalid
+        return {
+            "lines": s.lines,
+            "records": s.records,
+            "skipped": skipped,
+            "malformed": s.malformed,
+            "unknown_type": s.unknown_type,
+            "other_version": s.other_version,
+            "invalid": s.invalid,
+            "by_type": dict(sorted(s.by_type.items())),
+        }
+
+    def summary(self) -> dict[str, Any]:
+        end_t = self.end_t
+        gpu_hours = self.timeline.gpu_hours(end_t)
+        borrowed_h = self.borrow.lent_gpu_hours(end_t)
+        elastic = self.elastic.summary(end_t, self.timeline.elastic_used_gpu_hours(end_t))
+        if gpu_hours["by_source"]["elastic"] is None:
+            gpu_hours["by_source"]["elastic"] = elastic["granted_gpu_hours"]
+        gpu_hours["by_source"]["borrowed"] = borrowed_h
+        notes = self.timeline.notes() + self.info.notes()
+        if self.max_return_delay_s is None:
+            notes.append("max_return_delay_s unknown (not in the log; pass --max-return-delay-s)")
+        return {
+            "name": self.log.name,
+            "path": str(self.log.path),
+            "run": self.info.summary(),
+            "read": self.read_summary(),
+            "throughput": self.throughput.summary(self.info.duration_s),
+            "training": self.training.summary(self.info.duration_s),
+            "batches": self.batches.summary(),
+            "gpu_hours": gpu_hours,
+            "pd": self.pd.summary(),
+            "borrow": self.borrow.summary(end_t, self.training.waits_s, self.max_return_delay_s),
+            "elastic": elastic,
+            "notes": notes,
+        }
+
+
+def analyze_log(log: RunLog, max_return_delay_s: float | None = None) -> RunAnalysis:
+    """One streaming pass over ``log``."""
+    stats = ReadStats()
+    run = RunAnalysis(
+        log=log,
+        stats=stats,
+        info=RunInfo(),
+        throughput=Throughput(),
+        training=Training(),
+        batches=Batches(),
+        pd=PdTimeline(),
+        borrow=BorrowWindows(),
+        elastic=ElasticAllocations(),
+        timeline=GpuTimeline(),
+        max_return_delay_s=max_return_delay_s,
+    )
+    handlers: dict[str, list[Callable[[Any], None]]] = {}
+    for acc in (
+        run.info,
+        run.throughput,
+        run.training,
+        run.batches,
+        run.pd,
+        run.borrow,
+        run.elastic,
+        run.timeline,
+    ):
+        for kind, handler in acc.handlers().items():
+            handlers.setdefault(kind, []).append(handler)
+    info_add = run.info.see
+    record: Record
+    for record in read_records(log.path, stats):
+        info_add(record.t)
+        for handler in handlers.get(record.type, ()):
+            handler(record)
+    return run
