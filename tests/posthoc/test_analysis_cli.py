@@ -181,14 +181,15 @@ def test_simulate_then_analyze(tmp_path: Path, capsys: pytest.CaptureFixture[str
     scenario = tmp_path / "tiny.yaml"
     scenario.write_text(yaml.safe_dump(TINY_SCENARIO))
     sim_out = tmp_path / "sim"
-    argv = ["simulate", str(scenario), "--policies", "pearl,roll-partial", "--seeds", "1"]
+    # rlboost-plus takes elastic GPUs in these 300 s, so their hours are compared non-zero
+    argv = ["simulate", str(scenario), "--policies", "pearl,rlboost-plus", "--seeds", "1"]
     assert main([*argv, "--duration-s", "300", "--out", str(sim_out), "--json"]) == 0
     capsys.readouterr()
     out = tmp_path / "report"
     code, stdout, err = _analyze(capsys, str(sim_out), "--out", str(out), "--json")
     assert code == 0, err
     assert json.loads(stdout) == json.loads((out / "summary.json").read_text())
-    names = ["pearl/seed0", "roll-partial/seed0"]
+    names = ["pearl/seed0", "rlboost-plus/seed0"]
     summary = _check_report(out, names)
     assert {"compare-throughput.png", "compare-gpu-hours.png"} <= set(summary["plots"])
     sim = json.loads((sim_out / "summary.json").read_text())
@@ -216,3 +217,4 @@ def test_simulate_then_analyze(tmp_path: Path, capsys: pytest.CaptureFixture[str
             assert times["mean"] == pytest.approx(mine["batch_time_s"]["mean"], abs=1e-5)
             assert times["p99"] == pytest.approx(mine["batch_time_s"]["p99"], abs=1e-5)
         assert run["borrow"]["trainer_wait"]["max_s"] <= mine["max_trainer_wait_s"] + 1e-9
+    assert max(sim["runs"]["rlboost-plus"][0]["gpu_hours"]["elastic"], 0) > 0
