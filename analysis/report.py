@@ -333,7 +333,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--max-return-delay-s",
         type=float,
         default=None,
-        help="the policy's borrowing.max_return_delay_s (not in the log)",
+        help="the policy's borrowing.max_return_delay_s (default: run_started's, if logged)",
     )
 
 

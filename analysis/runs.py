@@ -129,7 +129,7 @@ class RunAnalysis:
         gpu_hours["by_source"]["borrowed"] = borrowed_h
         notes = self.timeline.notes() + self.info.notes()
         if self.max_return_delay_s is None:
-            notes.append("max_return_delay_s unknown (not in the log; pass --max-return-delay-s)")
+            notes.append("max_return_delay_s unknown: not logged; pass --max-return-delay-s")
         return {
             "name": self.log.name,
             "path": str(self.log.path),
@@ -181,4 +181,6 @@ def analyze_log(log: RunLog, max_return_delay_s: float | None = None) -> RunAnal
         info_add(record.t)
         for handler in handlers.get(record.type, ()):
             handler(record)
+    if run.max_return_delay_s is None and run.info.started is not None:
+        run.max_return_delay_s = run.info.started.max_return_delay_s  # the policy's, logged
     return run

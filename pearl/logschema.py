@@ -36,6 +36,9 @@ class RunStarted(_Record):
     scenario: str = ""
     seed: int | None = None
     profile: str = ""
+    max_return_delay_s: float | None = Field(
+        None, description="The policy's limit on the trainer's wait for its GPUs."
+    )
 
 
 class GpuAdded(_Record):

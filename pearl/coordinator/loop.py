@@ -112,7 +112,12 @@ class Coordinator:
         join_timeout_s = config.agents.join_timeout_s if config.agents else 0.0
         self.gate = GrantGate(join_timeout_s) if control is not None else None
         self.log = CoordinatorLog(
-            run_dir / "events.jsonl", config.run_id, config.profile, past.state, self.clock()
+            run_dir / "events.jsonl",
+            config.run_id,
+            config.profile,
+            past.state,
+            self.clock(),
+            config.policy.borrowing.max_return_delay_s,
         )
 
     def _reattach(self) -> list[Event]:

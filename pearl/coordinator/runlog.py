@@ -35,6 +35,7 @@ class CoordinatorLog:
         profile: str,
         logged: ClusterState | None,
         now_s: float,
+        max_return_delay_s: float | None = None,
         quiet_decision_interval_s: float = 60.0,
     ) -> None:
         fresh = not path.exists() or path.stat().st_size == 0
@@ -53,6 +54,7 @@ class CoordinatorLog:
                     scenario="",
                     seed=None,
                     profile=profile,
+                    max_return_delay_s=max_return_delay_s,
                 )
             )
 

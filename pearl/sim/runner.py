@@ -169,6 +169,7 @@ class Simulation:
                 scenario=sc.name,
                 seed=self.inputs.seed,
                 profile=sc.profile,
+                max_return_delay_s=self.policy.config().borrowing.max_return_delay_s,
             )
         )
         for t in self.elastic.retry_times(self.duration_s):
