@@ -18,6 +18,7 @@ import yaml
 from pearl.cli.main import main
 from pearl.coordinator.journal import replay
 from pearl.core.state import AllocationStatus
+from pearl.io.runlog import ReadStats, read_records
 
 
 def _config(tmp_path: Path, **changes: object) -> Path:
@@ -109,6 +110,19 @@ def test_a_grant_reaches_the_state_and_a_restart_resumes_it(tmp_path: Path) -> N
         finally:
             again.send_signal(signal.SIGTERM)
             again.wait(timeout=30)
+        # the run log: one run, both incarnations, in the simulator's schema
+        stats = ReadStats()
+        log = list(read_records(tmp_path / "run" / "events.jsonl", stats))
+        assert stats.records == stats.lines and log
+        started = [r for r in log if r.type == "run_started"]
+        assert len(started) == 1 and started[0].source == "coordinator"
+        allocs = [(r.allocation_id, r.status, r.reason) for r in log if r.type == "allocation"]
+        assert ("el0001", "granted", "") in allocs and ("el0001", "ended", "lost") in allocs
+        assert ("el0002", "granted", "") in allocs
+        added = {r.gpu_id for r in log if r.type == "gpu_added" and r.allocation_id == "el0001"}
+        removed = {r.gpu_id: r.reason for r in log if r.type == "gpu_removed"}
+        assert len(added) == 8 and all(removed[g] == "lost" for g in added)
+        assert not [r for r in log if r.type == "run_ended"]  # a signal: the run goes on
     finally:
         if proc.poll() is None:
             proc.kill()
