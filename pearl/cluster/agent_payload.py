@@ -41,7 +41,10 @@ class AgentPayload:
     reconnect_s: float = 600.0  # how long to wait for a requeued coordinator
 
     def command(self, node: str, gpus: str) -> list[str]:
+        logs = Path(self.run_dir) / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
         options = ["--gpus", gpus, "--gpu-type", self.gpu_type, "--grace-s", str(self.grace_s)]
+        options += ["--log-dir", str(logs)]
         cmd = agent_command(self.run_dir, node, *options)
         for engine in self.engines:
             cmd += ["--engine", engine]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import os
 import queue
 import shlex
@@ -88,16 +89,30 @@ class Agent:
         grace_s: float = 30.0,
         job_id: str | None = None,
         connect_timeout_s: float = 60.0,
+        log_dir: str | None = None,
     ) -> None:
         self.run_dir, self.agent_id, self.node, self.gpus = run_dir, agent_id, node, gpus
         self.workers, self.grace_s, self.job_id = workers, grace_s, job_id
         self.connect_timeout_s = connect_timeout_s
+        self.log_dir = log_dir
         self._signal: str | None = None
         self._acks: queue.Queue[Ack] = queue.Queue()
         self._pool = concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="cmd")
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
         self._signal = signal.Signals(signum).name
+
+    def _say(self, line: str) -> None:
+        """One line to stderr and, with a log directory, to ``agent-ID.log`` there: under
+        ``mpiexec`` stderr goes through Hydra, which a preemption may take down first."""
+        text = f"agent {self.agent_id}: {line}\n"
+        with contextlib.suppress(OSError):
+            sys.stderr.write(text)
+            sys.stderr.flush()
+        if self.log_dir is not None:
+            path = os.path.join(self.log_dir, f"agent-{self.agent_id}.log")
+            with contextlib.suppress(OSError), open(path, "a", encoding="utf-8") as f:
+                f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {text}")
 
     def run(self) -> int:
         for sig in (signal.SIGTERM, signal.SIGUSR2):
@@ -107,15 +122,15 @@ class Agent:
             info = wait_port_file(self.run_dir, self.connect_timeout_s)
             sock = knock(info.knock_host, info.knock_port, info.token, self.agent_id)
         except KnockRefused as e:
-            print(f"agent {self.agent_id}: refused: {e}", file=sys.stderr, flush=True)
+            self._say(f"refused: {e}")
             return EXIT_REFUSED
         except OSError as e:  # no port file in time, or a stale one: no coordinator
-            print(f"agent {self.agent_id}: no coordinator: {e}", file=sys.stderr, flush=True)
+            self._say(f"no coordinator: {e}")
             return EXIT_LOST
         try:
             comm = mpi.COMM_SELF.Connect(info.port)
         except mpi.Exception as e:
-            print(f"agent {self.agent_id}: connect failed: {e}", file=sys.stderr, flush=True)
+            self._say(f"connect failed: {e}")
             return EXIT_LOST
         finally:
             sock.close()
@@ -164,7 +179,7 @@ class Agent:
             try:
                 msg = ch.recv()
             except ProtocolError as e:
-                print(f"agent {self.agent_id}: bad message: {e}", file=sys.stderr, flush=True)
+                self._say(f"bad message: {e}")
                 msg = None
             if msg is not None:
                 busy, last_seen = True, now
@@ -175,7 +190,7 @@ class Agent:
                 elif isinstance(msg, Bye):
                     self.workers.stop_all(min(10.0, self.grace_s))
                     code = EXIT_OK if welcomed else EXIT_REFUSED
-                    print(f"agent {self.agent_id}: bye: {msg.reason}", file=sys.stderr, flush=True)
+                    self._say(f"bye: {msg.reason}")
                     return code
             while not self._acks.empty():
                 ch.send(self._acks.get())
@@ -186,9 +201,7 @@ class Agent:
             ch.progress()
             if ch.error or now - last_seen > hb_s * missed + (0 if welcomed else 10):
                 why = ch.error or f"no message from the coordinator for {now - last_seen:.1f} s"
-                print(
-                    f"agent {self.agent_id}: coordinator lost: {why}", file=sys.stderr, flush=True
-                )
+                self._say(f"coordinator lost: {why}")
                 self.workers.stop_all(min(10.0, self.grace_s))
                 return EXIT_LOST
             if not busy:
@@ -203,12 +216,7 @@ class Agent:
         end = t0 + self.grace_s * 0.9
         while not ch.progress() and time.monotonic() < end:
             time.sleep(0.001)
-        print(
-            f"agent {self.agent_id}: preempted by {signame}, left after "
-            f"{time.monotonic() - t0:.2f} s",
-            file=sys.stderr,
-            flush=True,
-        )
+        self._say(f"preempted by {signame}, left after {time.monotonic() - t0:.2f} s")
         return EXIT_OK
 
 
@@ -247,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--grace-s", type=float, default=30.0)
     ap.add_argument("--connect-timeout-s", type=float, default=60.0)
-    ap.add_argument("--log-dir", default=None)
+    ap.add_argument("--log-dir", default=None, help="the agent's and its engines' logs")
     return ap
 
 
@@ -274,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         grace_s=args.grace_s,
         job_id=job_id,
         connect_timeout_s=args.connect_timeout_s,
+        log_dir=args.log_dir,
     )
     return agent.run()
 

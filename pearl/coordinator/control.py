@@ -70,7 +70,8 @@ class MpiControl:
             info = known.get(agent_id)
             node = info.node if info is not None else ""
             workers = info.workers if info is not None else ()
-            out.append(AgentEvent(kind, agent_id, node, detail, workers))
+            grace_s = info.grace_s if info is not None else None
+            out.append(AgentEvent(kind, agent_id, node, detail, workers, grace_s))
         return out
 
     def agents(self) -> list[dict[str, Any]]:

@@ -38,7 +38,7 @@ from pearl.cluster.backend import AllocationBackend, AllocationConfigError
 from pearl.coordinator.config import CoordinatorConfig, initial_state
 from pearl.coordinator.control import PlanOutcome, write_agents
 from pearl.coordinator.journal import Journal, replay
-from pearl.coordinator.reconcile import AgentEvent, GrantGate, lost_workers
+from pearl.coordinator.reconcile import AgentEvent, GrantGate, agent_observations
 from pearl.coordinator.runlog import CoordinatorLog
 from pearl.core.apply import apply_plan
 from pearl.core.decide import decide
@@ -153,7 +153,9 @@ class Coordinator:
         now_s = self.clock()
         lost, self._lost = self._lost, []
         obs = Observation(
-            events=(*lost, *self._allocation_events(now_s), *self._agent_events()),
+            # what agents said comes first: Slurm's end of a job the agent saw preempted
+            # is then the preemption's end
+            events=(*lost, *self._agent_events(now_s), *self._allocation_events(now_s)),
             trainer=TrainerStatus(),
             workload=self.workload(),
         )
@@ -203,10 +205,10 @@ class Coordinator:
             self._release(aid, now_s)
         return events
 
-    def _agent_events(self) -> list[Event]:
+    def _agent_events(self, now_s: float) -> list[Event]:
         if self.control is None:
             return []
-        return lost_workers(self.state, self.control.events())
+        return agent_observations(self.state, self.control.events(), now_s)
 
     def _release(self, aid: str, now_s: float) -> None:
         intent = f"release-{aid}-{self._new_intent()}"

@@ -1,6 +1,6 @@
 """What the node agents report, folded into the coordinator's observations (pure).
 
-Two rules keep the state true to what runs on the nodes:
+Three rules keep the state true to what runs on the nodes:
 
 - ``lost_workers``: an agent that dies (heartbeat timeout, its job gone) or leaves (``Bye``,
   after a preemption) takes its node's workers with it; an agent that (re)joins reports
@@ -8,6 +8,9 @@ Two rules keep the state true to what runs on the nodes:
   report is gone (after a restart, the agent's or the coordinator's, the engines were
   stopped). Either way the state drops them (``WorkersLost``) and their GPUs are free for
   the next plan.
+- an agent that reports a preemption (Slurm's signal reached it before the backend's next
+  poll saw the moved end time) makes its allocation ``preempting`` now, with the agent's
+  grace period as the deadline: the core moves work off it without waiting for the poll.
 - ``GrantGate``: Slurm's grant is not yet a usable allocation; its GPUs are usable once an
   agent on each of its nodes has joined. Until then the grant is held back, so no plan is
   made for nodes nobody can act on. A grant whose agents do not all join within
@@ -30,7 +33,7 @@ from pearl.core.observation import (
     Event,
     WorkersLost,
 )
-from pearl.core.state import ClusterState
+from pearl.core.state import AllocationKind, AllocationStatus, ClusterState
 
 LEFT = frozenset({"dead", "gone"})
 
@@ -45,14 +48,21 @@ class AgentEvent:
     node: str
     detail: str = ""
     workers: tuple[str, ...] = ()
+    grace_s: float | None = None  # of a preemption
 
 
-def lost_workers(state: ClusterState, events: Iterable[AgentEvent]) -> list[Event]:
+def agent_observations(
+    state: ClusterState, events: Iterable[AgentEvent], now_s: float
+) -> list[Event]:
     """``WorkersLost`` for the workers on the nodes of agents that left or rejoined
-    without them, each worker at most once."""
+    without them, each worker at most once; ``AllocationPreempting`` for the elastic
+    allocation of an agent that reports a preemption."""
     out: list[Event] = []
     seen: set[str] = set()
     for ev in events:
+        if ev.kind == "preempted":
+            out += _preempting(state, ev, now_s)
+            continue
         if ev.kind in LEFT:
             keep: frozenset[str] = frozenset()
             reason = f"agent {ev.agent_id} {ev.kind}: {ev.detail}"
@@ -70,6 +80,23 @@ def lost_workers(state: ClusterState, events: Iterable[AgentEvent]) -> list[Even
             seen.update(gone)
             out.append(WorkersLost(worker_ids=gone, reason=reason))
     return out
+
+
+def _preempting(state: ClusterState, ev: AgentEvent, now_s: float) -> list[Event]:
+    allocations = state.allocation_by_id
+    live = (AllocationStatus.GRANTED,)
+    ids = sorted(
+        {
+            g.allocation_id
+            for g in state.gpus
+            if g.node == ev.node
+            and g.allocation_id in allocations
+            and allocations[g.allocation_id].kind is AllocationKind.ELASTIC
+            and allocations[g.allocation_id].status in live
+        }
+    )
+    deadline_s = now_s + (ev.grace_s or 0.0)
+    return [AllocationPreempting(allocation_id=aid, deadline_s=deadline_s) for aid in ids]
 
 
 @dataclass

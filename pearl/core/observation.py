@@ -127,7 +127,7 @@ def observe(state: ClusterState, obs: Observation, now_s: float) -> ClusterState
                 )
         elif old is not None:  # AllocationEnded
             allocations[ev.allocation_id] = old.model_copy(
-                update={"status": AllocationStatus.ENDED, "end_reason": ev.reason}
+                update={"status": AllocationStatus.ENDED, "end_reason": _end_reason(old, ev)}
             )
             lost = {g.gpu_id for g in gpus if g.allocation_id == ev.allocation_id}
             gpus = [g for g in gpus if g.gpu_id not in lost]
@@ -140,6 +140,17 @@ def observe(state: ClusterState, obs: Observation, now_s: float) -> ClusterState
         gpus=tuple(gpus),
         workers=tuple(workers),
     )
+
+
+def _end_reason(old: Allocation, ev: AllocationEnded) -> str:
+    """A preempted job that leaves within its grace period ends "completed" in Slurm: an
+    end during a preemption is the preemption's, unless it was released or ran out."""
+    if old.status is AllocationStatus.PREEMPTING and ev.reason not in OWN_END_REASONS:
+        return "preempted"
+    return ev.reason
+
+
+OWN_END_REASONS = frozenset({"released", "timeout", "node_fail", "preempted"})
 
 
 def _granted(ev: AllocationGranted, old: Allocation | None, now_s: float) -> Allocation:

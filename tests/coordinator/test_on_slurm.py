@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -95,6 +96,12 @@ def _diagnosis(tmp_path: Path) -> str:
     return "\n".join(["journal (no states):", *lines[-20:], *logs])
 
 
+def _ended(journal: Path, allocation_id: str) -> bool:
+    state = replay(journal).state if journal.exists() else None
+    alloc = None if state is None else state.allocation_by_id.get(allocation_id)
+    return alloc is not None and alloc.status is AllocationStatus.ENDED
+
+
 def _granted(journal: Path) -> list[str]:
     state = replay(journal).state if journal.exists() else None
     if state is None:
@@ -171,7 +178,8 @@ def test_an_elastic_grant_brings_its_agent_and_a_preemption_takes_it_away(
 ) -> None:
     config = _config(tmp_path)
     doc = yaml.safe_load(config.read_text())
-    doc["agents"] = {"null_workers": True, "grace_s": 5}
+    engine = f"{sys.executable} -m pearl.control.fakes --port {{port}}"
+    doc["agents"] = {"engines": [f"*={engine}"], "grace_s": 5}
     config.write_text(yaml.safe_dump(doc), encoding="utf-8")
     run = tmp_path / "run"
     journal, agents_file = run / "journal.jsonl", run / "agents.json"
@@ -201,8 +209,15 @@ def test_an_elastic_grant_brings_its_agent_and_a_preemption_takes_it_away(
         # another tenant takes the node back: the agent reports, drains and leaves
         _take_back(cluster, node)
         wait_for(lambda: agents()[0]["state"] in ("preempted", "gone"), 30, "the drain", cluster)
-        wait_for(lambda: "el0001" not in _granted(journal), 40, "the allocation's end", cluster)
+        wait_for(lambda: _ended(journal, "el0001"), 40, "the allocation's end", cluster)
         assert coordinator.poll() is None  # the coordinator carries on
+        # the agent left within the grace period (5 s), and its workers left the state
+        logs = "".join(p.read_text(errors="replace") for p in run.glob("logs/agent-*.log"))
+        left = re.search(r"preempted by (SIG\w+), left after ([\d.]+) s", logs)
+        assert left is not None and float(left.group(2)) < 5, logs[-2000:]
+        state = replay(journal).state
+        assert state is not None and not [w for w in state.workers if w.node == node]
+        assert state.allocation_by_id["el0001"].end_reason == "preempted"
     finally:
         coordinator.terminate()
         coordinator.communicate(timeout=30)

@@ -1,15 +1,18 @@
-"""Agents' reports folded into observations: lost workers, and grants held for agents."""
+"""Agents' reports folded into observations: lost workers, preemptions reported by an
+agent, and grants held for agents."""
 
 from __future__ import annotations
 
-from pearl.coordinator.reconcile import AgentEvent, GrantGate, lost_workers
+from pearl.coordinator.reconcile import AgentEvent, GrantGate, agent_observations
 from pearl.core.observation import (
     AllocationEnded,
     AllocationGranted,
     AllocationPending,
     AllocationPreempting,
     GrantedNode,
+    Observation,
     WorkersLost,
+    observe,
 )
 from pearl.synth import Layout, build_state
 
@@ -31,7 +34,7 @@ def test_an_agent_that_leaves_takes_its_nodes_workers() -> None:
         AgentEvent("dead", "a1", node, "no heartbeat for 3.1 s"),
         AgentEvent("gone", "a1", node, "bye"),  # the same workers are not lost twice
     ]
-    (lost,) = lost_workers(state, events)
+    (lost,) = agent_observations(state, events, 10.0)  # base nodes: no preemption
     assert isinstance(lost, WorkersLost)
     assert set(lost.worker_ids) == on_node and "a1 dead: no heartbeat" in lost.reason
 
@@ -41,9 +44,31 @@ def test_an_agent_that_rejoins_keeps_only_the_workers_it_reports() -> None:
     node = state.workers[-1].node
     on_node = sorted(w.worker_id for w in state.workers if w.node == node)
     assert len(on_node) >= 2
-    (lost,) = lost_workers(state, [AgentEvent("joined", "a2", node, workers=(on_node[0],))])
+    joined = AgentEvent("joined", "a2", node, workers=(on_node[0],))
+    (lost,) = agent_observations(state, [joined], 10.0)
     assert isinstance(lost, WorkersLost) and list(lost.worker_ids) == on_node[1:]
-    assert lost_workers(state, [AgentEvent("joined", "a2", node, workers=tuple(on_node))]) == []
+    again = AgentEvent("joined", "a2", node, workers=tuple(on_node))
+    assert agent_observations(state, [again], 10.0) == []
+
+
+def test_an_agent_that_reports_a_preemption_makes_its_allocation_preempting() -> None:
+    state = build_state(Layout(1, 1, 1))
+    (node,) = {g.node for g in state.gpus if g.allocation_id == "el0000"}
+    ev = AgentEvent("preempted", "a3", node, "grace 5.0 s", grace_s=5.0)
+    assert agent_observations(state, [ev], 10.0) == [
+        AllocationPreempting(allocation_id="el0000", deadline_s=15.0)
+    ]
+    # the job leaves within its grace period and Slurm says "completed": a preemption
+    preempting = observe(state, Observation(events=tuple(agent_observations(state, [ev], 10))), 10)
+    for slurm_says, reason in (("completed", "preempted"), ("released", "released")):
+        end = AllocationEnded(allocation_id="el0000", reason=slurm_says)
+        after = observe(preempting, Observation(events=(end,)), 12.0)
+        assert after.allocation_by_id["el0000"].end_reason == reason
+    end = AllocationEnded(allocation_id="el0000", reason="completed")  # not preempting
+    assert (
+        observe(state, Observation(events=(end,)), 12.0).allocation_by_id["el0000"].end_reason
+        == "completed"
+    )
 
 
 def test_a_grant_waits_for_an_agent_on_each_of_its_nodes() -> None:
