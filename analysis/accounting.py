@@ -432,7 +432,7 @@ def summarize(data: AccountingData) -> dict[str, Any]:
         },
         "preemptions": {
             "count": len(preempted),
-            "gpu_hours_lost": sum(r.gpu_hours for r in preempted),
+            "gpu_hours": sum(r.gpu_hours for r in preempted),  # held by the jobs until taken
         },
         "requeues": {
             "count": sum(requeues.values()),
@@ -561,7 +561,7 @@ def format_table(summary: dict[str, Any]) -> str:
         f"run s: {stats(summary['run_s'])}",
         f"GPU-hours: {g['total']:.2f}; by partition: {pairs(g['by_partition'], '{:.2f}')}; "
         f"by role: {pairs(g['by_role'], '{:.2f}')}",
-        f"preemptions: {p['count']} ({p['gpu_hours_lost']:.2f} GPU-h lost); "
+        f"preemptions: {p['count']} (their jobs held {p['gpu_hours']:.2f} GPU-h); "
         f"requeues: {q['count']} in {q['jobs']} jobs",
         *(f"skipped {example}" for example in summary["skipped_examples"]),
     ]

@@ -279,16 +279,46 @@ def load_accounting(path: Path) -> dict[str, Any]:
         raise InputError(path, "", str(err)) from None
 
 
+def query_accounting(runs: Sequence[RunAnalysis]) -> dict[str, Any]:
+    """Ask Slurm (``sacct``) about the jobs of the coordinator runs among ``runs``: those
+    named after the run and the coordinator's own (``run.json``'s ``slurm_job_ids``)."""
+    from analysis.accounting import SacctUnavailable, parse_sacct, query_sacct, summarize
+
+    texts = []
+    for run in runs:
+        started = run.info.started
+        if started is None or started.source != "coordinator":
+            continue
+        meta = run.log.path.parent / "run.json"
+        try:
+            job_ids = list(json.loads(meta.read_text(encoding="utf-8")).get("slurm_job_ids", []))
+        except (OSError, ValueError):
+            job_ids = []
+        try:
+            texts.append(query_sacct(started.run_id, job_ids))
+        except SacctUnavailable as err:
+            raise InputError("sacct", "", str(err)) from None
+    if not texts:
+        raise InputError("--sacct-query", "", "no coordinator run among the run logs")
+    header, *_ = texts[0].splitlines() or [""]
+    rows = [line for t in texts for line in t.splitlines()[1:] if line.strip()]
+    return dict(summarize(parse_sacct("\n".join([header, *rows]), "sacct")))
+
+
 def analyze(
     paths: Sequence[Path],
     out: Path,
     sacct: Path | None = None,
     max_return_delay_s: float | None = None,
+    sacct_query: bool = False,
 ) -> dict[str, Any]:
-    """Analyse the run logs under ``paths`` and write the report to ``out``."""
+    """Analyse the run logs under ``paths`` and write the report to ``out``; the Slurm
+    accounting from ``sacct`` output in a file, or asked of Slurm (``sacct_query``)."""
     logs = find_run_logs(paths)
     runs = [analyze_log(log, max_return_delay_s) for log in logs]
     accounting = load_accounting(sacct) if sacct is not None else None
+    if sacct_query and accounting is None:
+        accounting = query_accounting(runs)
     out.mkdir(parents=True, exist_ok=True)
     summaries = [run.summary() for run in runs]
     rows = [comparison_row(s) for s in summaries]
@@ -330,6 +360,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print only summary.json to stdout")
     p.add_argument("--sacct", type=Path, default=None, help="sacct output for the accounting")
     p.add_argument(
+        "--sacct-query",
+        action="store_true",
+        help="ask sacct about the coordinator runs' jobs (on a Slurm login node)",
+    )
+    p.add_argument(
         "--max-return-delay-s",
         type=float,
         default=None,
@@ -340,7 +375,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     paths: list[Path] = list(args.run_dirs)
     out = args.out if args.out is not None else default_out(paths)
-    summary = analyze(paths, out, args.sacct, args.max_return_delay_s)
+    summary = analyze(paths, out, args.sacct, args.max_return_delay_s, args.sacct_query)
     if args.json:
         print(json.dumps(summary, allow_nan=False))
         return 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import time
 from pathlib import Path
@@ -33,14 +34,20 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def run_start_s(run_dir: Path) -> float:
-    """Wall time at which the run first started (written once)."""
+    """Wall time at which the run first started (``RUN_DIR/run.json``, written once); the
+    Slurm job of every incarnation is added to its ``slurm_job_ids`` (for accounting)."""
     path = run_dir / "run.json"
-    if path.exists():
-        return float(json.loads(path.read_text(encoding="utf-8"))["started_at_unix_s"])
-    start_s = time.time()
+    doc = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+    doc.setdefault("started_at_unix_s", time.time())
+    job_id = os.environ.get("SLURM_JOB_ID")
+    ids = doc.setdefault("slurm_job_ids", [])
+    if job_id and job_id not in ids:
+        ids.append(job_id)
     run_dir.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"started_at_unix_s": start_s}) + "\n", encoding="utf-8")
-    return start_s
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc) + "\n", encoding="utf-8")
+    os.replace(tmp, path)  # atomic: a reader sees the old or the new document
+    return float(doc["started_at_unix_s"])
 
 
 def make_backend(config: CoordinatorConfig, run_dir: Path) -> AllocationBackend:

@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -169,6 +170,25 @@ def test_coordinator_job_gets_a_grant_and_resumes_after_a_requeue(
     (node,) = {g.node for g in state.gpus if g.allocation_id == "el0001"}
     _take_back(cluster, node)
     wait_for(lambda: "el0001" not in _granted(journal), 60, "the end seen after resuming", cluster)
+
+    # post hoc, Slurm's accounting of the run: the coordinator's job (requeued once) and
+    # the elastic job (preempted), found by the run's name and run.json's job ids
+    def accounting() -> dict[str, Any]:
+        argv = ["analyze", str(tmp_path / "run"), "--sacct-query", "--json"]
+        done = subprocess.run(
+            [sys.executable, "-m", "pearl.cli.main", *argv, "--out", str(tmp_path / "report")],
+            env=cluster.env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr
+        return dict(json.loads(done.stdout)["accounting"])
+
+    wait_for(lambda: accounting()["preemptions"]["count"] == 1, 60, "the accounting", cluster)
+    acc = accounting()
+    assert acc["roles"] == {"coordinator": 1, "elastic": 1}, acc
+    assert acc["requeues"]["jobs"] == 1 and acc["gpu_hours"]["by_role"]["elastic"] > 0, acc
     cluster.run("scancel", job_id)
     cluster.run("scancel", "-u", "root")
 

@@ -58,7 +58,7 @@ ROWS = [
     f"101+1|pearl-base|rollout|COMPLETED|{D}10:01:00|{D}10:02:00|{D}12:02:00|02:00:00|"
     "gres/gpu:h800=8,node=2||g[02-03]|",
     f"101+1.0|python||COMPLETED||{D}10:02:00|{D}12:02:00|02:00:00|||g[02-03]|",
-    # elastic, preempted after 30 min on 8 GPUs: 4 GPU-hours lost; waited 1800 s
+    # elastic, preempted after 30 min on 8 GPUs: it held 4 GPU-hours; waited 1800 s
     f"102|pearl-r1-el0001|spot|PREEMPTED|{D}10:10:00|{D}10:40:00|{D}11:10:00|00:30:00|"
     "gres/gpu=8|gres/gpu=8|g[04-05]|pearl:run=r1,allocation=el0001",
     # cancelled while pending (Slurm prints a start anyway): no wait, no run, elastic by comment
@@ -144,7 +144,7 @@ def test_gpu_hours_by_partition_role_and_preemption(inline: dict[str, object]) -
         {"base": 24.0, "coordinator": 0.0, "elastic": 6.0, "other": 48.0}
     )
     assert gpu_hours["total"] == pytest.approx(78.0)
-    assert inline["preemptions"] == {"count": 1, "gpu_hours_lost": pytest.approx(4.0)}
+    assert inline["preemptions"] == {"count": 1, "gpu_hours": pytest.approx(4.0)}
     assert inline["requeues"] == {"count": 1, "jobs": 1, "records_in_state_requeued": 1}
 
 
@@ -334,7 +334,7 @@ def test_cli_prints_a_table_and_json(
     assert main([str(path)]) == 0
     out = capsys.readouterr().out
     assert "jobs: 9 " in out
-    assert "preemptions: 1 (4.00 GPU-h lost)" in out
+    assert "preemptions: 1 (their jobs held 4.00 GPU-h)" in out
     monkeypatch.setattr(sys, "stdin", io.StringIO(TEXT))
     assert main(["-", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["gpu_hours"]["total"] == pytest.approx(78.0)
