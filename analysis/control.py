@@ -195,6 +195,7 @@ class BorrowWindow:
 class BorrowWindows:
     windows: list[BorrowWindow] = field(default_factory=list)
     unmatched_returns: int = 0
+    unclosed_windows: int = 0  # closed by the next lend (a log without "returned")
 
     def handlers(self) -> Handlers:
         return {"borrow": self._on_borrow}
@@ -202,6 +203,9 @@ class BorrowWindows:
     def _on_borrow(self, r: BorrowChanged) -> None:
         w = self.windows[-1] if self.windows and self.windows[-1].returned_t is None else None
         if r.kind == "lend":
+            if w is not None:  # no "returned" before the next lend: the window ended here
+                w.returned_t = r.t
+                self.unclosed_windows += 1
             self.windows.append(BorrowWindow(r.t, len(r.gpu_ids), r.return_by_t))
         elif w is None:
             self.unmatched_returns += 1
@@ -241,6 +245,7 @@ class BorrowWindows:
             "windows": len(self.windows),
             "force_returns": sum(1 for w in self.windows if w.return_kind == "force_return"),
             "unmatched_returns": self.unmatched_returns,
+            "unclosed_windows": self.unclosed_windows,
             "lent_gpu_hours": rounded(self.lent_gpu_hours(end_t)),
             "return_delay_s": describe(delays),
             "late_returns": len(late),
@@ -270,7 +275,20 @@ class Allocation:
     granted_t: float | None = None
     preempting_t: float | None = None
     end_t: float | None = None
-    end_status: str | None = None  # "ended" (reclaimed) or "released" (by the policy)
+    end_status: str | None = None  # "ended" or "released" (the simulator's, by the policy)
+    end_reason: str = ""  # the coordinator's: preempted, released, completed, lost, ...
+
+    @property
+    def released(self) -> bool:
+        return self.end_status == "released" or self.end_reason == "released"
+
+    @property
+    def preempted(self) -> bool:
+        """A preemption notice, or an end for no reason of the run's own (the simulator's
+        ``ended`` is a reclaim; the coordinator says ``preempted``)."""
+        if self.preempting_t is not None:
+            return True
+        return self.end_status == "ended" and self.end_reason in PREEMPTION_REASONS
 
     def held_until(self, run_end_t: float) -> float:
         return self.end_t if self.end_t is not None else run_end_t
@@ -279,6 +297,9 @@ class Allocation:
         if self.granted_t is None:
             return 0.0
         return self.num_gpus * max(0.0, self.held_until(run_end_t) - self.granted_t) / 3600.0
+
+
+PREEMPTION_REASONS = frozenset({"", "preempted", "reclaimed"})
 
 
 @dataclass
@@ -302,12 +323,12 @@ class ElasticAllocations:
         elif r.status == "preempting":
             a.preempting_t = r.t
         elif a.end_t is None:  # ended or released
-            a.end_t, a.end_status = r.t, r.status
+            a.end_t, a.end_status, a.end_reason = r.t, r.status, r.reason
 
     def summary(self, end_t: float, used_gpu_hours: float | None) -> dict[str, Any]:
         allocs = list(self.allocations.values())
         granted = [a for a in allocs if a.granted_t is not None]
-        preempted = [a for a in granted if a.end_status == "ended" or a.preempting_t is not None]
+        preempted = [a for a in granted if a.preempted]
         waiting_h = (
             sum(
                 a.num_gpus
@@ -344,7 +365,7 @@ class ElasticAllocations:
             "granted_gpu_hours": rounded(sum(a.granted_gpu_hours(end_t) for a in allocs)),
             "used_gpu_hours": rounded(used_gpu_hours),
             "preempted": len(preempted),
-            "released": sum(1 for a in allocs if a.end_status == "released"),
+            "released": sum(1 for a in allocs if a.released),
             "lost_to_preemption_gpu_hours": rounded(lost_h),
             "allocation_list": [
                 {
@@ -355,6 +376,7 @@ class ElasticAllocations:
                     "preempting_t": rounded(a.preempting_t),
                     "end_t": rounded(a.end_t),
                     "end": a.end_status,
+                    "end_reason": a.end_reason,
                 }
                 for a in allocs[:MAX_LISTED]
             ],

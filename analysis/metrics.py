@@ -70,7 +70,8 @@ class RunInfo:
 
     @property
     def end_t(self) -> float:
-        return self.ended_t if self.ended_t is not None else self.max_t
+        # records after a run_ended: a writer that went on (a requeued coordinator)
+        return self.max_t if self.ended_t is None else max(self.ended_t, self.max_t)
 
     @property
     def duration_s(self) -> float:

@@ -122,7 +122,7 @@ class RunAnalysis:
         gpu_hours = self.timeline.gpu_hours(end_t)
         borrowed_h = self.borrow.lent_gpu_hours(end_t)
         elastic = self.elastic.summary(end_t, self.timeline.elastic_used_gpu_hours(end_t))
-        if elastic["requests"] or gpu_hours["by_source"]["elastic"] is None:
+        if elastic["granted"] or elastic["requests"] or gpu_hours["by_source"]["elastic"] is None:
             # held from Slurm's grant to the end, as Slurm bills them (GPU records follow
             # the grant at the next decision, so they would count less)
             gpu_hours["by_source"]["elastic"] = elastic["granted_gpu_hours"]

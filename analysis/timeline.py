@@ -111,6 +111,8 @@ class GpuTimeline:
     def _on_added(self, r: GpuAdded) -> None:
         self.gpu_records += 1
         old = self._gpus.get(r.gpu_id)
+        if old is not None and old.source == r.source:
+            return  # repeated (a writer restarted after logging it): nothing new
         if old is not None:
             self._cut(r.gpu_id, old, r.t)
         self._gpus[r.gpu_id] = _Gpu(r.source, r.t, borrowed=r.gpu_id in self._lent)

@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
         workload=workload_file(run_dir / "workload.json"),
         control=control,
     )
-    ended: str | None = "error"
+    ended: str | None = None  # a crash: the run may go on in a requeued incarnation
     try:
         coordinator.run(args.max_runtime_s, stop=lambda: bool(stopping["signal"]))
         ended = None if stopping["signal"] else "max runtime reached"

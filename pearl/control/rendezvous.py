@@ -121,6 +121,7 @@ class AcceptWatchdog:
         self._timer = threading.Timer(timeout_s, self._fire)
         self._timer.daemon = True
         self._proc: subprocess.Popen[bytes] | None = None
+        self._cancelled = False
         self._lock = threading.Lock()
 
     def start(self) -> None:
@@ -134,6 +135,8 @@ class AcceptWatchdog:
             return
         cmd = [mpiexec, "-launcher", "fork", "-n", "1", sys.executable, "-m", __name__]
         with self._lock:
+            if self._cancelled:  # the Accept returned meanwhile: no unblocker
+                return
             self.fired = True
             self._proc = subprocess.Popen(
                 [*cmd, "--unblock", self.port], stdin=subprocess.DEVNULL, start_new_session=True
@@ -143,6 +146,7 @@ class AcceptWatchdog:
         """The ``Accept`` returned: stop the timer, and an unblocker still connecting."""
         self._timer.cancel()
         with self._lock:
+            self._cancelled = True
             proc = self._proc
         if proc is None:
             return

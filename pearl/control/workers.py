@@ -10,14 +10,14 @@ dev-mode route, ``VLLM_SERVER_DEV_MODE=1``: the engine reloads the weights the t
 exported to its model path). A trainer worker answers the same routes: ``offload`` is
 ``/sleep`` (state to host memory, GPUs free), ``onload`` is ``/wake_up``. Stop is SIGTERM to
 the process group, then SIGKILL; an engine also gets SIGTERM when its agent dies
-(``PR_SET_PDEATHSIG``), so none outlives the agent that manages its GPUs.
+(``PR_SET_PDEATHSIG``, armed by ``pearl.control.pdeath``), so none outlives the agent
+that manages its GPUs.
 :class:`NullWorkers` only records roles and phases; the control-plane benchmark and
 protocol tests use it.
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import re
 import signal
@@ -86,17 +86,6 @@ def _apply(w: WorkerState, cmd: Command) -> None:
         w.phase = "gone"
     else:
         raise WorkerError(f"action {a!r} is not supported by this agent")
-
-
-_PR_SET_PDEATHSIG = 1
-_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
-
-
-def _die_with_parent() -> None:
-    """In the engine process, before exec: SIGTERM when the agent dies (even by SIGKILL),
-    so an engine never outlives the agent that manages its GPUs."""
-    if _LIBC is not None:
-        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def free_port() -> int:
@@ -189,6 +178,7 @@ class ProcessWorkers:
             raise WorkerError(f"GPU {e.args[0]} is not on this node") from None
         port = free_port()
         args = [a.format(port=port, role=role, worker_id=cmd.worker_id) for a in argv]
+        args = [sys.executable, "-m", "pearl.control.pdeath", *args]  # dies with the agent
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(idx)}
         out = (
             open(os.path.join(self.log_dir, f"{cmd.worker_id}.log"), "ab")  # noqa: SIM115
@@ -201,7 +191,6 @@ class ProcessWorkers:
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=_die_with_parent,  # one C call in the child: safe with threads
         )
         self.procs[cmd.worker_id] = _Proc(proc, port, WorkerState(role, "starting"), out)
         while time.monotonic() < end:

@@ -222,9 +222,10 @@ class Coordinator:
         if self.control is None:
             self.journal.done(intent, now_s, ok=False, error="no control plane")
             return
+        start_s = max(now_s, self.clock())  # after this tick's journal writes and Slurm calls
         outcome = self.control.execute(plan)
-        end_s = max(now_s, self.clock())
-        self.log.plan(plan, outcome, now_s)
+        end_s = max(start_s, self.clock())
+        self.log.plan(plan, outcome, start_s)
         done = plan if outcome.ok else _part(plan, outcome.carried_out)
         if done.steps:
             try:
@@ -238,12 +239,14 @@ class Coordinator:
             self.journal.done(intent, end_s, ok=False, error=outcome.error or "not acknowledged")
 
     def _record(self, state: ClusterState, now_s: float) -> None:
-        """The new state: journalled (unless unchanged), then logged."""
+        """The new state: logged, then journalled (unless unchanged). In that order, a
+        crash between the two makes the next incarnation, which diffs from the journalled
+        state, log the change again rather than never."""
         self.state = state
+        self.log.state(state, now_s)
         if not _same(state, self._journalled):  # an unchanged state is not written again
             self.journal.state(state, now_s)
             self._journalled = state
-        self.log.state(state, now_s)
 
     def _new_intent(self) -> int:
         self._next_intent += 1

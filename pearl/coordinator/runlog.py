@@ -2,13 +2,16 @@
 
 A requeued coordinator appends to the same file: ``run_started`` is written once, when the
 file is new, and the timeline continues from the journalled state (the records of a
-change are written after it is journalled, so a crash between the two can lose the
-records of the last change, never invent one). Times are the run clock.
+change are written before it is journalled, so a crash between the two repeats the
+records of the last change, never loses them; readers take a repeated record as a
+no-op). Times are the run clock.
 
 What is logged: the GPU, worker and allocation changes of each new state
 (``pearl.run_records.state_records``); a ``decision`` record when a decision plans, asks
 for or releases allocations, or lends or returns GPUs, and otherwise at most once every
-``quiet_decision_interval_s``; a ``plan_step`` record per step executed; ``run_ended``
+``quiet_decision_interval_s``; ``borrow`` records (``lend``, ``return`` when decided,
+``returned`` when the state no longer has the window); a ``plan_step`` record per step
+executed; ``run_ended``
 when the run ends (not when a signal stops this incarnation: the next one continues).
 """
 
@@ -21,7 +24,7 @@ from pearl.core.decision import BorrowKind, Decision
 from pearl.core.plan import TransitionPlan
 from pearl.core.state import ClusterState
 from pearl.io.runlog import RunLogWriter
-from pearl.logschema import PlanStepDone, RunEnded, RunStarted
+from pearl.logschema import BorrowChanged, PlanStepDone, RunEnded, RunStarted
 from pearl.run_records import BorrowJournal, decision_record, state_records
 
 POLICY = "pearl"
@@ -61,6 +64,11 @@ class CoordinatorLog:
     def state(self, state: ClusterState, now_s: float) -> None:
         for record in state_records(self._logged, state, now_s):
             self._writer.write(record)
+        window = None if self._logged is None else self._logged.borrow
+        if window is not None and state.borrow is None:  # the trainer has its GPUs back
+            self._writer.write(
+                BorrowChanged.model_construct(t=now_s, kind="returned", gpu_ids=window.gpu_ids)
+            )
         self._logged = state
 
     def decision(self, d: Decision, now_s: float) -> None:

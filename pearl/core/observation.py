@@ -125,7 +125,7 @@ def observe(state: ClusterState, obs: Observation, now_s: float) -> ClusterState
                 allocations[ev.allocation_id] = old.model_copy(
                     update={"status": AllocationStatus.PREEMPTING, "end_by_s": ev.deadline_s}
                 )
-        elif old is not None:  # AllocationEnded
+        elif old is not None and old.status is not AllocationStatus.ENDED:  # AllocationEnded
             allocations[ev.allocation_id] = old.model_copy(
                 update={"status": AllocationStatus.ENDED, "end_reason": _end_reason(old, ev)}
             )

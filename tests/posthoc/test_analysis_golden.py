@@ -164,3 +164,43 @@ def test_timeline_marks_borrowed_and_preempted_gpus() -> None:
     handlers["gpu_removed"](GpuRemoved(t=50, gpu_id="x/0", reason="reclaimed"))
     assert tl.all_segments(100) == [Segment("x/0", 0, 50, "idle", "ready", "elastic", False)]
     assert [(m.kind, m.t) for m in tl.markers] == [("added", 0), ("preempted", 50)]
+
+
+def test_a_coordinator_log_its_releases_repeats_and_returns(tmp_path: Path) -> None:
+    """The coordinator's records: an allocation ended with reason released is a release,
+    not a preemption; a record repeated by a restarted writer changes nothing; a borrow
+    window closes at its "returned"."""
+    records: list[dict[str, Any]] = [
+        {"t": 0, "type": "run_started", "run_id": "c1", "source": "coordinator",
+         "policy": "pearl", "max_return_delay_s": 7.0},
+        {"t": 0, "type": "gpu_added", "gpu_id": "a/0", "node": "a", "gpu_type": "h100",
+         "source": "base-train", "allocation_id": "base"},
+        {"t": 0, "type": "worker_phase", "worker_id": "t0", "kind": "trainer",
+         "gpu_ids": ["a/0"], "role": "train", "phase": "ready"},
+        {"t": 10, "type": "allocation", "allocation_id": "el1", "status": "pending",
+         "gpu_type": "h20", "num_gpus": 2},
+        {"t": 20, "type": "allocation", "allocation_id": "el1", "status": "granted",
+         "gpu_type": "h20", "num_gpus": 2},
+        {"t": 20, "type": "gpu_added", "gpu_id": "x/0", "node": "x", "gpu_type": "h20",
+         "source": "elastic", "allocation_id": "el1"},
+        # a restarted coordinator logs the same GPU again: no new segment
+        {"t": 50, "type": "gpu_added", "gpu_id": "x/0", "node": "x", "gpu_type": "h20",
+         "source": "elastic", "allocation_id": "el1"},
+        {"t": 100, "type": "borrow", "kind": "lend", "gpu_ids": ["a/0"], "return_by_t": 300},
+        {"t": 200, "type": "borrow", "kind": "return", "gpu_ids": ["a/0"], "return_by_t": 300},
+        {"t": 220, "type": "borrow", "kind": "returned", "gpu_ids": ["a/0"]},
+        {"t": 380, "type": "allocation", "allocation_id": "el1", "status": "ended",
+         "gpu_type": "h20", "num_gpus": 2, "reason": "released"},
+        {"t": 380, "type": "gpu_removed", "gpu_id": "x/0", "reason": "released"},
+    ]  # fmt: skip
+    log = write_log(tmp_path / "run" / "events.jsonl", records)
+    s = analyze_log(RunLog(log, "run")).summary()
+    assert s["run"]["duration_s"] == 380.0  # no run_ended: its last record
+    el = s["elastic"]
+    assert (el["released"], el["preempted"], el["lost_to_preemption_gpu_hours"]) == (1, 0, 0.0)
+    assert el["granted_gpu_hours"] == pytest.approx(2 * 360 / H)  # 2 GPUs from 20 to 380
+    # one GPU from 20 to 380 (the repeated add is no new GPU)
+    assert s["gpu_hours"]["present_gpu_hours"] == pytest.approx((380 + 360) / H, abs=1e-6)
+    assert s["gpu_hours"]["by_source"]["borrowed"] == pytest.approx(120 / H, abs=1e-6)
+    assert s["borrow"]["return_delay_s"]["max"] == pytest.approx(20.0)
+    assert s["borrow"]["trainer_wait"]["max_return_delay_s"] == 7.0  # from run_started
