@@ -319,7 +319,7 @@ class ElasticAllocations:
         if r.status in ("requested", "pending"):
             a.requested_t = r.t if a.requested_t is None else a.requested_t
         elif r.status == "granted":
-            a.granted_t = r.t
+            a.granted_t = r.t if a.granted_t is None else a.granted_t  # a repeat: no-op
         elif r.status == "preempting":
             a.preempting_t = r.t
         elif a.end_t is None:  # ended or released

@@ -43,7 +43,13 @@ from pearl.coordinator.runlog import CoordinatorLog
 from pearl.core.apply import apply_plan
 from pearl.core.decide import decide
 from pearl.core.decision import Decision, ElasticRequest
-from pearl.core.observation import AllocationEnded, Event, Observation, TrainerStatus
+from pearl.core.observation import (
+    AllocationEnded,
+    AllocationGranted,
+    Event,
+    Observation,
+    TrainerStatus,
+)
 from pearl.core.plan import TransitionPlan
 from pearl.core.profile import RuntimeProfile
 from pearl.core.roles import TransitionError
@@ -200,6 +206,10 @@ class Coordinator:
         if self.gate is None or self.control is None:
             return events
         alive = {str(a["node"]) for a in self.control.agents() if a["state"] == "alive"}
+        held = set(self.gate.held)
+        for ev in events:  # Slurm's grant starts the billed hours, agents or not
+            if isinstance(ev, AllocationGranted) and ev.allocation_id not in held:
+                self.log.granted(ev, now_s)
         events, give_up = self.gate.filter(events, alive, now_s)
         for aid in give_up:
             self._release(aid, now_s)

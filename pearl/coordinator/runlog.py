@@ -7,12 +7,13 @@ records of the last change, never loses them; readers take a repeated record as 
 no-op). Times are the run clock.
 
 What is logged: the GPU, worker and allocation changes of each new state
-(``pearl.run_records.state_records``); a ``decision`` record when a decision plans, asks
-for or releases allocations, or lends or returns GPUs, and otherwise at most once every
-``quiet_decision_interval_s``; ``borrow`` records (``lend``, ``return`` when decided,
-``returned`` when the state no longer has the window); a ``plan_step`` record per step
-executed; ``run_ended``
-when the run ends (not when a signal stops this incarnation: the next one continues).
+(``pearl.run_records.state_records``); an allocation ``granted`` when Slurm grants it
+(its GPUs reach the state later, once its agents joined, and that ``granted`` repeats);
+a ``decision`` record when a decision plans, asks for or releases allocations, or lends
+or returns GPUs, and otherwise at most once every ``quiet_decision_interval_s``;
+``borrow`` records (``lend``, ``return`` when decided, ``returned`` when the state no
+longer has the window); a ``plan_step`` record per step executed; ``run_ended`` when the
+run ends (not when a signal stops this incarnation: the next one continues).
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ from pathlib import Path
 
 from pearl.coordinator.control import PlanOutcome
 from pearl.core.decision import BorrowKind, Decision
+from pearl.core.observation import AllocationGranted
 from pearl.core.plan import TransitionPlan
-from pearl.core.state import ClusterState
+from pearl.core.state import AllocationStatus, ClusterState
 from pearl.io.runlog import RunLogWriter
-from pearl.logschema import BorrowChanged, PlanStepDone, RunEnded, RunStarted
+from pearl.logschema import AllocationChanged, BorrowChanged, PlanStepDone, RunEnded, RunStarted
 from pearl.run_records import BorrowJournal, decision_record, state_records
 
 POLICY = "pearl"
@@ -70,6 +72,24 @@ class CoordinatorLog:
                 BorrowChanged.model_construct(t=now_s, kind="returned", gpu_ids=window.gpu_ids)
             )
         self._logged = state
+
+    def granted(self, grant: AllocationGranted, now_s: float) -> None:
+        """Slurm granted an allocation: its hours count from now, although its GPUs reach
+        the state (and their ``granted`` record is repeated) once its agents joined."""
+        if self._logged is not None:
+            old = self._logged.allocation_by_id.get(grant.allocation_id)
+            if old is not None and old.status is not AllocationStatus.PENDING:
+                return  # granted before (a restarted coordinator sees the grant again)
+        self._writer.write(
+            AllocationChanged.model_construct(
+                t=now_s,
+                allocation_id=grant.allocation_id,
+                status="granted",
+                gpu_type=grant.nodes[0].gpu_type,
+                num_gpus=sum(n.num_gpus for n in grant.nodes),
+                reason="",
+            )
+        )
 
     def decision(self, d: Decision, now_s: float) -> None:
         acted = (

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pearl.coordinator.runlog import CoordinatorLog
+from pearl.core.observation import AllocationGranted, GrantedNode
 from pearl.core.state import BorrowWindow
 from pearl.io.runlog import ReadStats, read_records
 from pearl.synth import Layout, build_state
@@ -32,3 +33,24 @@ def test_a_borrow_window_that_closes_is_logged_returned_and_a_restart_appends(
     (returned,) = [r for r in records if r.type == "borrow"]
     assert (returned.kind, returned.gpu_ids, returned.t) == ("returned", lent, 60.0)  # type: ignore[union-attr]
     assert records[-1].type == "run_ended" and records[-1].t == 80.0
+
+
+def test_slurms_grant_is_logged_when_it_happens_and_only_once(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    state = build_state(Layout(1, 1, 1))  # el0000 granted in the state
+    grant = AllocationGranted(
+        allocation_id="el0009", nodes=(GrantedNode(node="x9", gpu_type="h20", num_gpus=2),)
+    )
+    log = CoordinatorLog(path, "r1", "qwen3-8b", None, 0.0)
+    log.state(state, 0.0)
+    log.granted(grant, 5.0)  # held back until its agents join: logged now all the same
+    log.granted(grant.model_copy(update={"allocation_id": "el0000"}), 6.0)  # known: no
+    log.close(7.0, None)
+    granted = [r for r in read_records(path, ReadStats()) if r.type == "allocation"]
+    assert [(r.allocation_id, r.status, r.t, r.num_gpus) for r in granted][-1] == (  # type: ignore[union-attr]
+        "el0009",
+        "granted",
+        5.0,
+        2,
+    )
+    assert [r.allocation_id for r in granted].count("el0000") == 1  # type: ignore[union-attr]
