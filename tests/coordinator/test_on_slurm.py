@@ -196,7 +196,9 @@ def test_coordinator_job_gets_a_grant_and_resumes_after_a_requeue(
     except AssertionError as err:
         raise AssertionError(f"{err}\nlast answer: {answers[-1].stderr[-2000:]}") from None
     acc = accounting()
-    assert acc is not None and acc["roles"] == {"coordinator": 1, "elastic": 1}, acc
+    # the coordinator may have asked for the next allocation since (the cap is free again)
+    assert acc is not None and acc["roles"]["coordinator"] == 1, acc
+    assert acc["roles"]["elastic"] in (1, 2) and set(acc["roles"]) == {"coordinator", "elastic"}
     assert acc["requeues"]["jobs"] == 1 and acc["gpu_hours"]["by_role"]["elastic"] > 0, acc
     cluster.run("scancel", job_id)
     cluster.run("scancel", "-u", "root")
