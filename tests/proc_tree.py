@@ -36,3 +36,13 @@ def gone(pid: int, timeout_s: float) -> bool:
             return True
         time.sleep(0.05)
     return False
+
+
+def describe(pid: int) -> str:
+    """``PID STATE PPID: CMDLINE`` of a process, for a failure message."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return f"{pid} gone"
+    return f"{pid} {fields[0]} {fields[1]}: {cmd}"

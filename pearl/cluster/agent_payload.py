@@ -3,8 +3,10 @@
 submitit runs it once per node (one task per node). It starts ``pearl agent`` under
 ``mpiexec`` (the agent must be an MPI process to connect to the coordinator; ``-launcher
 fork`` keeps Hydra from calling ``srun`` inside the job step) with the node's name
-(``SLURMD_NODENAME``) and its GPUs (``CUDA_VISIBLE_DEVICES``, as Slurm's gres set it), so
-the agent registers the same GPU ids the coordinator's state has (``NODE/INDEX``).
+(``SLURMD_NODENAME``), its GPUs (``CUDA_VISIBLE_DEVICES``, as Slurm's gres set it), so
+the agent registers the same GPU ids the coordinator's state has (``NODE/INDEX``), and its
+job id as the backend names it (the coordinator matches agents to grants by it). The agent
+and its engines log to ``RUN_DIR/logs`` (``agent-ID.log``, ``WORKER.log``).
 
 Slurm's warning signal (USR2: preemption with its grace period, or the time limit) and
 SIGTERM are forwarded to the agent, which reports, drains its workers and disconnects; the
@@ -40,11 +42,13 @@ class AgentPayload:
     grace_s: float = 30.0
     reconnect_s: float = 600.0  # how long to wait for a requeued coordinator
 
-    def command(self, node: str, gpus: str) -> list[str]:
+    def command(self, node: str, gpus: str, job_id: str | None = None) -> list[str]:
         logs = Path(self.run_dir) / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         options = ["--gpus", gpus, "--gpu-type", self.gpu_type, "--grace-s", str(self.grace_s)]
         options += ["--log-dir", str(logs)]
+        if job_id is not None:
+            options += ["--job-id", job_id]
         cmd = agent_command(self.run_dir, node, *options)
         for engine in self.engines:
             cmd += ["--engine", engine]
@@ -70,7 +74,7 @@ class AgentPayload:
             if signalled:  # told to go before (or while) starting an agent
                 return 0
             seen = _stamp(port_file)
-            procs.append(subprocess.Popen(self.command(node, gpus)))
+            procs.append(subprocess.Popen(self.command(node, gpus, _job_id())))
             if signalled:  # arrived while starting it: pass it on now
                 procs[-1].send_signal(signalled[-1])
             code = procs[-1].wait()
@@ -80,6 +84,17 @@ class AgentPayload:
             # connect to the next incarnation once it writes a new port file.
             if not _wait_for_change(port_file, seen, self.reconnect_s, signalled):
                 return code
+
+
+def _job_id() -> str | None:
+    """The job this payload runs in, as its backend names it (``backend.job_id``):
+    submitit's (Slurm or local), else Slurm's own for a plain sbatch job."""
+    try:
+        import submitit
+
+        return str(submitit.JobEnvironment().job_id)
+    except (ImportError, RuntimeError):
+        return os.environ.get("SLURM_JOB_ID")
 
 
 def _stamp(path: Path) -> tuple[float, int] | None:

@@ -106,6 +106,10 @@ class AllocationBackend(Protocol):
         """Give the allocation back; its ``AllocationEnded(reason='released')`` follows."""
         ...
 
+    def job_id(self, allocation_id: str) -> str:
+        """The scheduler's id of the allocation's job; ``KeyError`` if it has none."""
+        ...
+
     def close(self) -> None:
         """Release every allocation not yet ended and stop watching."""
         ...

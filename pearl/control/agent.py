@@ -253,6 +253,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="record commands without launching anything (benchmarks)",
     )
+    ap.add_argument(
+        "--job-id",
+        default=os.environ.get("SLURM_JOB_ID"),
+        help="the scheduler's job the agent runs in (default: SLURM_JOB_ID)",
+    )
     ap.add_argument("--grace-s", type=float, default=30.0)
     ap.add_argument("--connect-timeout-s", type=float, default=60.0)
     ap.add_argument("--log-dir", default=None, help="the agent's and its engines' logs")
@@ -261,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    job_id = os.environ.get("SLURM_JOB_ID")
+    job_id = args.job_id
     gpus, index = _parse_gpus(args.gpus, args.gpu_type, args.node)
     workers: Workers
     if args.null_workers:

@@ -23,13 +23,13 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from pearl.control import pdeath
 from pearl.control.messages import ABORT_DRAIN, Command
 
 RELOAD_WEIGHTS = b'{"method": "reload_weights"}'
@@ -178,7 +178,7 @@ class ProcessWorkers:
             raise WorkerError(f"GPU {e.args[0]} is not on this node") from None
         port = free_port()
         args = [a.format(port=port, role=role, worker_id=cmd.worker_id) for a in argv]
-        args = [sys.executable, "-m", "pearl.control.pdeath", *args]  # dies with the agent
+        args = pdeath.command(args)  # the engine dies with the agent
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(idx)}
         out = (
             open(os.path.join(self.log_dir, f"{cmd.worker_id}.log"), "ab")  # noqa: SIM115

@@ -38,7 +38,7 @@ from pearl.cluster.backend import AllocationBackend, AllocationConfigError
 from pearl.coordinator.config import CoordinatorConfig, initial_state
 from pearl.coordinator.control import PlanOutcome, write_agents
 from pearl.coordinator.journal import Journal, replay
-from pearl.coordinator.reconcile import AgentEvent, GrantGate, agent_observations
+from pearl.coordinator.reconcile import AgentEvent, GrantGate, LiveAgent, agent_observations
 from pearl.coordinator.runlog import CoordinatorLog
 from pearl.core.apply import apply_plan
 from pearl.core.decide import decide
@@ -205,15 +205,26 @@ class Coordinator:
         events = self.backend.poll(now_s)
         if self.gate is None or self.control is None:
             return events
-        alive = {str(a["node"]) for a in self.control.agents() if a["state"] == "alive"}
+        alive = [
+            LiveAgent(str(a["node"]), None if a.get("job_id") is None else str(a["job_id"]))
+            for a in self.control.agents()
+            if a["state"] == "alive"
+        ]
         held = set(self.gate.held)
         for ev in events:  # Slurm's grant starts the billed hours, agents or not
             if isinstance(ev, AllocationGranted) and ev.allocation_id not in held:
                 self.log.granted(ev, now_s)
-        events, give_up = self.gate.filter(events, alive, now_s)
+        events, give_up = self.gate.filter(events, alive, now_s, self._job_of)
         for aid in give_up:
             self._release(aid, now_s)
         return events
+
+    def _job_of(self, allocation_id: str) -> str | None:
+        """The Slurm job of an allocation, if the backend knows it."""
+        try:
+            return self.backend.job_id(allocation_id)
+        except KeyError:
+            return None
 
     def _agent_events(self, now_s: float) -> list[Event]:
         if self.control is None:

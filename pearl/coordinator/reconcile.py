@@ -23,7 +23,7 @@ No I/O and no clock: the run clock comes in as ``now_s``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from pearl.core.observation import (
@@ -99,6 +99,12 @@ def _preempting(state: ClusterState, ev: AgentEvent, now_s: float) -> list[Event
     return [AllocationPreempting(allocation_id=aid, deadline_s=deadline_s) for aid in ids]
 
 
+@dataclass(frozen=True)
+class LiveAgent:
+    node: str
+    job_id: str | None = None  # the Slurm job it runs in, if any
+
+
 @dataclass
 class _Held:
     grant: AllocationGranted
@@ -116,9 +122,26 @@ class GrantGate:
         return tuple(self._held)
 
     def filter(
-        self, events: Sequence[Event], nodes_with_agents: set[str], now_s: float
+        self,
+        events: Sequence[Event],
+        agents: Iterable[LiveAgent],
+        now_s: float,
+        job_of: Callable[[str], str | None] = lambda aid: None,
     ) -> tuple[list[Event], list[str]]:
-        """The events to observe now, and the allocations to release (no agent in time)."""
+        """The events to observe now, and the allocations to release (no agent in time).
+
+        An agent counts for a node of a grant when it runs there and, where both are
+        known, in the grant's Slurm job (``job_of``): a node granted again does not
+        count the agent of its previous allocation, still alive until its heartbeats
+        stop."""
+        live = list(agents)
+
+        def covered(node: str, job: str | None) -> bool:
+            return any(
+                a.node == node and (a.job_id is None or job is None or a.job_id == job)
+                for a in live
+            )
+
         out: list[Event] = []
         for ev in events:
             if isinstance(ev, AllocationGranted):
@@ -129,7 +152,8 @@ class GrantGate:
             out.append(ev)
         give_up: list[str] = []
         for aid, h in list(self._held.items()):
-            if all(n.node in nodes_with_agents for n in h.grant.nodes):
+            job = job_of(aid)
+            if all(covered(n.node, job) for n in h.grant.nodes):
                 out.append(h.grant)
                 del self._held[aid]
             elif now_s - h.since_s > self.join_timeout_s:

@@ -4,11 +4,14 @@ fake engine (``pearl.control.fakes``) started by :class:`ProcessWorkers`."""
 from __future__ import annotations
 
 import re
+import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
+from pearl.control import pdeath
 from pearl.control.messages import Command
 from pearl.control.workers import ProcessWorkers, WorkerError
 
@@ -86,3 +89,16 @@ def test_failures_are_worker_errors(workers: ProcessWorkers) -> None:
     dead = ProcessWorkers({"*": [sys.executable, "-c", "raise SystemExit(4)"]}, {"n0/0": 0})
     with pytest.raises(WorkerError, match="exited with 4 on start"):
         dead.execute(_cmd("start", role="decode", gpu_ids=("n0/0",)))
+
+
+def test_an_engine_whose_agent_is_gone_before_it_starts_does_not_start(tmp_path: Path) -> None:
+    """The wrapper checks that its parent is still the one that started it once the
+    parent-death signal is armed: if the agent died first, the engine never runs."""
+    marker = tmp_path / "ran"
+    touch = [sys.executable, "-c", f"open({str(marker)!r}, 'w').close()"]
+    wrong_parent = subprocess.run(
+        [sys.executable, "-m", "pearl.control.pdeath", "1", *touch], timeout=30
+    )
+    assert wrong_parent.returncode == 1 and not marker.exists()
+    right = subprocess.run(pdeath.command(touch), timeout=30)
+    assert right.returncode == 0 and marker.exists()

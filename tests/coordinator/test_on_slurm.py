@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import yaml
-from proc_tree import children, gone
+from proc_tree import children, describe, gone
 from slurm_cluster import REPO, DevCluster, dev_cluster, wait_for
 
 from pearl.coordinator.journal import replay
@@ -344,7 +344,8 @@ def test_an_agent_killed_mid_plan_leaves_the_others_and_the_state_consistent(
         serving = children(_pid(survivor), b"pearl.control.fakes")
         failed_before = sum(not p["ok"] for p in _plans(journal))
         os.kill(_pid(victim), signal.SIGKILL)
-        assert all(gone(e, 10) for e in doomed)  # no engine outlives its agent
+        survivors = [e for e in doomed if not gone(e, 10)]
+        assert not survivors, [describe(e) for e in survivors]  # no engine outlives its agent
         wait_for(
             lambda: sum(not p["ok"] for p in _plans(journal)) > failed_before,
             60,

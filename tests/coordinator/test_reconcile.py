@@ -3,7 +3,7 @@ agent, and grants held for agents."""
 
 from __future__ import annotations
 
-from pearl.coordinator.reconcile import AgentEvent, GrantGate, agent_observations
+from pearl.coordinator.reconcile import AgentEvent, GrantGate, LiveAgent, agent_observations
 from pearl.core.observation import (
     AllocationEnded,
     AllocationGranted,
@@ -75,21 +75,31 @@ def test_a_grant_waits_for_an_agent_on_each_of_its_nodes() -> None:
     gate = GrantGate(join_timeout_s=60.0)
     pending = AllocationPending(allocation_id="el1", gpu_type="h20", num_gpus=4)
     grant = _grant("el1", "h20-1", "h20-2")
-    out, give_up = gate.filter([pending, grant], set(), 10.0)
+    out, give_up = gate.filter([pending, grant], [], 10.0)
     assert out == [pending] and give_up == [] and gate.held == ("el1",)
-    out, _ = gate.filter([], {"h20-1"}, 20.0)  # one of two nodes: still held
+    out, _ = gate.filter([], [LiveAgent("h20-1")], 20.0)  # one of two nodes: still held
     assert out == [] and gate.held == ("el1",)
-    out, _ = gate.filter([], {"h20-1", "h20-2"}, 30.0)
+    out, _ = gate.filter([], [LiveAgent("h20-1"), LiveAgent("h20-2")], 30.0)
     assert out == [grant] and gate.held == ()
 
 
 def test_a_grant_without_agents_is_given_up_and_one_taken_back_is_dropped() -> None:
     gate = GrantGate(join_timeout_s=60.0)
-    gate.filter([_grant("el1", "h20-1"), _grant("el2", "h20-2")], set(), 0.0)
-    out, give_up = gate.filter([], set(), 60.0)  # not more than the timeout yet
+    gate.filter([_grant("el1", "h20-1"), _grant("el2", "h20-2")], [], 0.0)
+    out, give_up = gate.filter([], [], 60.0)  # not more than the timeout yet
     assert out == [] and give_up == []
     taken = AllocationPreempting(allocation_id="el2", deadline_s=70.0)
-    out, give_up = gate.filter([taken], set(), 60.5)
+    out, give_up = gate.filter([taken], [], 60.5)
     assert give_up == ["el1"]
     assert out == [taken, AllocationEnded(allocation_id="el1", reason="no agent")]
     assert gate.held == ()
+
+
+def test_the_agent_of_a_nodes_previous_job_does_not_count_for_its_next_grant() -> None:
+    gate = GrantGate(join_timeout_s=60.0)
+    jobs = {"el2": "102"}
+    stale = LiveAgent("h20-1", "101")  # el1's agent, alive until its heartbeats stop
+    out, _ = gate.filter([_grant("el2", "h20-1")], [stale], 0.0, jobs.get)
+    assert out == [] and gate.held == ("el2",)
+    out, _ = gate.filter([], [stale, LiveAgent("h20-1", "102")], 1.0, jobs.get)
+    assert [e.allocation_id for e in out] == ["el2"]  # type: ignore[union-attr]
