@@ -71,7 +71,8 @@ class MpiControl:
             node = info.node if info is not None else ""
             workers = info.workers if info is not None else ()
             grace_s = info.grace_s if info is not None else None
-            out.append(AgentEvent(kind, agent_id, node, detail, workers, grace_s))
+            job_id = info.job_id if info is not None else None
+            out.append(AgentEvent(kind, agent_id, node, detail, workers, grace_s, job_id))
         return out
 
     def agents(self) -> list[dict[str, Any]]:

@@ -229,7 +229,7 @@ class Coordinator:
     def _agent_events(self, now_s: float) -> list[Event]:
         if self.control is None:
             return []
-        return agent_observations(self.state, self.control.events(), now_s)
+        return agent_observations(self.state, self.control.events(), now_s, self._job_of)
 
     def _release(self, aid: str, now_s: float) -> None:
         intent = f"release-{aid}-{self._new_intent()}"

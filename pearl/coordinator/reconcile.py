@@ -49,10 +49,14 @@ class AgentEvent:
     detail: str = ""
     workers: tuple[str, ...] = ()
     grace_s: float | None = None  # of a preemption
+    job_id: str | None = None  # the scheduler's job it runs in, if it said
 
 
 def agent_observations(
-    state: ClusterState, events: Iterable[AgentEvent], now_s: float
+    state: ClusterState,
+    events: Iterable[AgentEvent],
+    now_s: float,
+    job_of: Callable[[str], str | None] = lambda aid: None,
 ) -> list[Event]:
     """``WorkersLost`` for the workers on the nodes of agents that left or rejoined
     without them, each worker at most once; ``AllocationPreempting`` for the elastic
@@ -61,7 +65,7 @@ def agent_observations(
     seen: set[str] = set()
     for ev in events:
         if ev.kind == "preempted":
-            out += _preempting(state, ev, now_s)
+            out += _preempting(state, ev, now_s, job_of)
             continue
         if ev.kind in LEFT:
             keep: frozenset[str] = frozenset()
@@ -82,19 +86,23 @@ def agent_observations(
     return out
 
 
-def _preempting(state: ClusterState, ev: AgentEvent, now_s: float) -> list[Event]:
+def _preempting(
+    state: ClusterState, ev: AgentEvent, now_s: float, job_of: Callable[[str], str | None]
+) -> list[Event]:
+    """The granted elastic allocations on the agent's node, and in its job where both the
+    agent and the backend know the job."""
     allocations = state.allocation_by_id
-    live = (AllocationStatus.GRANTED,)
-    ids = sorted(
-        {
-            g.allocation_id
-            for g in state.gpus
-            if g.node == ev.node
-            and g.allocation_id in allocations
-            and allocations[g.allocation_id].kind is AllocationKind.ELASTIC
-            and allocations[g.allocation_id].status in live
-        }
-    )
+
+    def ours(aid: str) -> bool:
+        a = allocations.get(aid)
+        if a is None or a.kind is not AllocationKind.ELASTIC:
+            return False
+        job = job_of(aid)
+        same_job = ev.job_id is None or job is None or job == ev.job_id
+        return a.status is AllocationStatus.GRANTED and same_job
+
+    on_node = {g.allocation_id for g in state.gpus if g.node == ev.node}
+    ids = sorted(aid for aid in on_node if ours(aid))
     deadline_s = now_s + (ev.grace_s or 0.0)
     return [AllocationPreempting(allocation_id=aid, deadline_s=deadline_s) for aid in ids]
 

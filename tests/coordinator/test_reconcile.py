@@ -58,6 +58,9 @@ def test_an_agent_that_reports_a_preemption_makes_its_allocation_preempting() ->
     assert agent_observations(state, [ev], 10.0) == [
         AllocationPreempting(allocation_id="el0000", deadline_s=15.0)
     ]
+    # the agent of another job on that node (the allocation's job is 7): not this one
+    other = AgentEvent("preempted", "a4", node, grace_s=5.0, job_id="6")
+    assert agent_observations(state, [other], 10.0, {"el0000": "7"}.get) == []
     # the job leaves within its grace period and Slurm says "completed": a preemption
     preempting = observe(state, Observation(events=tuple(agent_observations(state, [ev], 10))), 10)
     for slurm_says, reason in (("completed", "preempted"), ("released", "released")):
