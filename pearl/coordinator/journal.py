@@ -113,11 +113,20 @@ def _apply(out: Replay, record: dict[str, Any], path: Path, number: int) -> None
 class Journal:
     """Appends records; open it after ``replay`` so the sequence continues."""
 
-    def __init__(self, path: Path, next_seq: int = 0, valid_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        path: Path,
+        next_seq: int = 0,
+        valid_bytes: int | None = None,
+        submitted: dict[str, dict[str, Any]] | None = None,
+    ) -> None:
         """``valid_bytes`` (from ``replay``): cut a record left half-written by a crash
-        before appending, so it does not end up in the middle of the journal."""
+        before appending, so it does not end up in the middle of the journal.
+        ``submitted`` (from ``replay``): the submissions journalled so far; the journal
+        adds those it writes, and compaction keeps them."""
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path, self.seq = path, next_seq
+        self.submitted: dict[str, dict[str, Any]] = dict(submitted or {})
         self._lock = path.with_name(path.name + ".lock").open("a")
         try:  # one writer per journal: a second coordinator on the run stops here
             fcntl.flock(self._lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -143,7 +152,10 @@ class Journal:
         return self.append("state", state.model_dump(mode="json"), t)
 
     def intent(self, intent_id: str, action: str, t: float, **details: Any) -> int:
-        return self.append("intent", {"id": intent_id, "action": action, **details}, t)
+        data = {"id": intent_id, "action": action, **details}
+        if action == "submit":
+            self.submitted[intent_id] = data
+        return self.append("intent", data, t)
 
     def done(self, intent_id: str, t: float, ok: bool = True, error: str = "") -> int:
         return self.append("done", {"id": intent_id, "ok": ok, "error": error}, t)
@@ -151,11 +163,11 @@ class Journal:
     def size_bytes(self) -> int:
         return self._file.tell()
 
-    def compact(self, state: ClusterState, t: float, submitted: dict[str, dict[str, Any]]) -> None:
+    def compact(self, state: ClusterState, t: float) -> None:
         """Rewrite the journal as ``state`` plus the submissions it does not hold yet."""
         held = {a.allocation_id for a in state.allocations}
         records: list[tuple[Kind, dict[str, Any]]] = [("state", state.model_dump(mode="json"))]
-        records += [("intent", i) for aid, i in submitted.items() if aid not in held]
+        records += [("intent", i) for aid, i in self.submitted.items() if aid not in held]
         tmp = self.path.with_name(self.path.name + ".compact")
         with tmp.open("w", encoding="utf-8") as f:
             for n, (kind, data) in enumerate(records):

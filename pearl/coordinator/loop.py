@@ -107,8 +107,7 @@ class Coordinator:
         # Submissions whose allocation the journalled state does not hold yet (announced and
         # maybe made just before a stop): found again in Slurm like the live ones.
         self.unfinished = [i for aid, i in past.submitted.items() if aid not in known]
-        self.submitted = dict(past.submitted)  # every submission, for compaction
-        self.journal = Journal(self.journal_path, past.next_seq, past.valid_bytes)
+        self.journal = Journal(self.journal_path, past.next_seq, past.valid_bytes, past.submitted)
         used = [_number(aid) for aid in (*known, *past.submitted)]
         self._next_allocation = 1 + max(used, default=0)  # never an id used before
         self._next_intent = past.next_seq  # plan and release intents: unique across restarts
@@ -173,13 +172,14 @@ class Coordinator:
         for request in d.elastic.requests:
             aid = f"el{self._next_allocation:04d}"
             self._next_allocation += 1
-            details = {
-                "gpu_type": request.gpu_type,
-                "num_gpus": request.num_gpus,
-                "partition": request.partition,
-            }
-            self.journal.intent(aid, "submit", now_s, **details)
-            self.submitted[aid] = {"id": aid, "action": "submit", **details}
+            self.journal.intent(
+                aid,
+                "submit",
+                now_s,
+                gpu_type=request.gpu_type,
+                num_gpus=request.num_gpus,
+                partition=request.partition,
+            )
             self._act(
                 aid,
                 now_s,
@@ -192,7 +192,7 @@ class Coordinator:
             self._execute(d.plan, now_s)
         self._write_agents()
         if self.journal.size_bytes() > self.config.journal_max_bytes:
-            self.journal.compact(self.state, now_s, self.submitted)
+            self.journal.compact(self.state, now_s)
             self._journalled = self.state
         return d
 
