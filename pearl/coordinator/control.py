@@ -67,12 +67,12 @@ class MpiControl:
         known = {a.agent_id: a for a in self.server.agents_snapshot()}  # after: joins included
         out = []
         for kind, agent_id, detail in events:
-            info = known.get(agent_id)
-            node = info.node if info is not None else ""
-            workers = info.workers if info is not None else ()
-            grace_s = info.grace_s if info is not None else None
-            job_id = info.job_id if info is not None else None
-            out.append(AgentEvent(kind, agent_id, node, detail, workers, grace_s, job_id))
+            a = known.get(agent_id)  # None: refused before it said who it is
+            out.append(
+                AgentEvent(kind, agent_id, "", detail)
+                if a is None
+                else AgentEvent(kind, agent_id, a.node, detail, a.workers, a.grace_s, a.job_id)
+            )
         return out
 
     def agents(self) -> list[dict[str, Any]]:

@@ -97,14 +97,17 @@ def _preempting(
         a = allocations.get(aid)
         if a is None or a.kind is not AllocationKind.ELASTIC:
             return False
-        job = job_of(aid)
-        same_job = ev.job_id is None or job is None or job == ev.job_id
-        return a.status is AllocationStatus.GRANTED and same_job
+        return a.status is AllocationStatus.GRANTED and _same_job(ev.job_id, job_of(aid))
 
     on_node = {g.allocation_id for g in state.gpus if g.node == ev.node}
     ids = sorted(aid for aid in on_node if ours(aid))
     deadline_s = now_s + (ev.grace_s or 0.0)
     return [AllocationPreempting(allocation_id=aid, deadline_s=deadline_s) for aid in ids]
+
+
+def _same_job(agent_job: str | None, allocation_job: str | None) -> bool:
+    """Whether an agent runs in an allocation's job, as far as both are known."""
+    return agent_job is None or allocation_job is None or agent_job == allocation_job
 
 
 @dataclass(frozen=True)
@@ -145,10 +148,7 @@ class GrantGate:
         live = list(agents)
 
         def covered(node: str, job: str | None) -> bool:
-            return any(
-                a.node == node and (a.job_id is None or job is None or a.job_id == job)
-                for a in live
-            )
+            return any(a.node == node and _same_job(a.job_id, job) for a in live)
 
         out: list[Event] = []
         for ev in events:
