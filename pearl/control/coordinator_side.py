@@ -11,8 +11,8 @@ Threads (MPI initialised with ``THREAD_MULTIPLE``):
 - *io thread*: the only thread that touches the intercommunicators. It receives and
   validates messages, answers ``Hello`` (token checked again, GPUs registered), sends
   heartbeats, declares an agent dead after ``missed_heartbeats`` intervals without any
-  message from it (or when ``allocation_alive`` says its Slurm job is gone), and sends the
-  commands queued by :meth:`ControlServer.execute`.
+  message from it (the end of its Slurm job reaches the state through the allocation
+  backend), and sends the commands queued by :meth:`ControlServer.execute`.
 
 One intercommunicator per agent; nothing collective is ever called on them, and a dead
 peer's communicator is dropped locally, so losing one allocation blocks no other.
@@ -29,8 +29,8 @@ import queue
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -97,13 +97,6 @@ class CommandResult:
     elapsed_s: float
 
 
-@dataclass
-class ControlEvents:
-    """What happened to agents, for the coordinator loop to observe (drained by poll)."""
-
-    items: list[tuple[str, str, str]] = field(default_factory=list)  # (kind, agent, detail)
-
-
 class ControlServer:
     def __init__(
         self,
@@ -112,14 +105,12 @@ class ControlServer:
         heartbeat_s: float = 0.5,
         missed_heartbeats: int = 6,
         knock_host: str | None = None,
-        allocation_alive: Callable[[AgentInfo], bool | None] | None = None,
         token: str | None = None,
         accept_timeout_s: float = ACCEPT_TIMEOUT_S,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.heartbeat_s = heartbeat_s
         self.missed_heartbeats = missed_heartbeats
-        self.allocation_alive = allocation_alive
         self.accept_timeout_s = accept_timeout_s
         self._mpi = load_mpi("multiple")
         self._token = token or new_token()
@@ -430,9 +421,3 @@ class ControlServer:
             late = now - info.last_seen
             if late > self.heartbeat_s * self.missed_heartbeats:
                 self._drop(conn, "dead", f"no heartbeat for {late:.2f} s")
-            elif (
-                late > 2 * self.heartbeat_s
-                and self.allocation_alive is not None
-                and self.allocation_alive(info) is False
-            ):
-                self._drop(conn, "dead", f"allocation {info.job_id} ended")
