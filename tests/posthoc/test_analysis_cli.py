@@ -137,7 +137,6 @@ def test_python_m_analysis_report_exits_2_on_a_missing_dir(
 def test_accounting_section_from_an_sacct_file(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    pytest.importorskip("analysis.accounting")
     log = write_log(tmp_path / "run" / "events.jsonl", FULL_LOG)
     sacct = tmp_path / "sacct.txt"
     sacct.write_text(
