@@ -300,10 +300,10 @@ def _fit(observed: dict[str, NDArray[Any]]) -> TrajectoryModel:
 
 
 def helios_windows(
-    directory: Path, *, gpu_type: str, min_duration_s: float = 600.0
+    path: Path, *, gpu_type: str, min_duration_s: float = 600.0
 ) -> tuple[Window, ...]:
-    """Availability windows of the Helios ``idle_gpu_num`` series (rule in pearl.sim)."""
-    series = read_helios_idle(directory / HELIOS_VC)
+    """Availability windows of a Helios ``idle_gpu_num`` series file (rule in pearl.sim)."""
+    series = read_helios_idle(path)
     return windows_from_idle_series(
         series.time_s, series.idle_gpus, gpu_type=gpu_type, min_duration_s=min_duration_s
     )
@@ -356,7 +356,7 @@ def summary(directory: Path, seed: int = 0, num_trajectories: int = 50_000) -> d
         }
     turns = np.asarray([s.num_turns for s in specs])
     out["turns"] = {"fitted_mean": fitted.turns_per_trajectory, "sample_mean": turns.mean()}
-    windows = helios_windows(directory, gpu_type="helios")
+    windows = helios_windows(directory / HELIOS_VC, gpu_type="helios")
     durations_s = np.asarray([w.duration_s for w in windows])
     out["helios_windows"] = {
         "count": len(windows),

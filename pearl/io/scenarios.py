@@ -2,12 +2,15 @@
 
 ``load_scenario`` reads the YAML (or JSON) file, validates it as
 ``pearl.sim.scenario.Scenario``, loads the runtime profile it names (a shipped profile, or
-a file relative to the scenario) and checks that every GPU type the scenario names is in
-that profile. Every problem is an ``InputError``: ``FILE: FIELD: PROBLEM``.
+a file relative to the scenario), checks that every GPU type the scenario names is in
+that profile, and resolves the data files it names (``$VARIABLES`` and ``~`` expanded, a
+relative path taken from the scenario's folder) to absolute paths that exist. Every
+problem is an ``InputError``: ``FILE: FIELD: PROBLEM``.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from pearl.core.profile import RuntimeProfile
@@ -31,4 +34,41 @@ def load_scenario_and_profile(path: str | Path) -> tuple[Scenario, RuntimeProfil
             raise InputError(
                 p, field, f"GPU type {gpu_type!r} is not in profile {scenario.profile} ({known})"
             )
-    return scenario, profile
+    return _resolve_data_paths(scenario, p), profile
+
+
+def _resolve_data_paths(scenario: Scenario, path: Path) -> Scenario:
+    rollout = scenario.rollout
+    rollout = rollout.model_copy(
+        update={
+            "workload_file": _data_path(path, "rollout.workload_file", rollout.workload_file),
+            "traces_dir": _data_path(path, "rollout.traces_dir", rollout.traces_dir, folder=True),
+        }
+    )
+    elastic = scenario.elastic
+    if elastic.trace is not None:
+        t = elastic.trace
+        trace = t.model_copy(
+            update={
+                "windows_file": _data_path(path, "elastic.trace.windows_file", t.windows_file),
+                "idle_series_file": _data_path(
+                    path, "elastic.trace.idle_series_file", t.idle_series_file
+                ),
+            }
+        )
+        elastic = elastic.model_copy(update={"trace": trace})
+    return scenario.model_copy(update={"rollout": rollout, "elastic": elastic})
+
+
+def _data_path(scenario: Path, field: str, value: str | None, folder: bool = False) -> str | None:
+    """``value`` expanded and made absolute against the scenario's folder; it must exist."""
+    if value is None:
+        return None
+    expanded = os.path.expanduser(os.path.expandvars(value))
+    if "$" in expanded:
+        raise InputError(scenario, field, f"{value!r}: an environment variable in it is not set")
+    resolved = (scenario.parent / expanded).resolve()
+    kind, exists = ("folder", resolved.is_dir()) if folder else ("file", resolved.is_file())
+    if not exists:
+        raise InputError(scenario, field, f"{value!r}: no such {kind} ({resolved})")
+    return str(resolved)

@@ -9,10 +9,13 @@ Rules checked here (the message names the field; the shell adds the file name):
 - ``elastic.trace`` is given exactly when ``source`` is ``trace``, ``elastic.synthetic``
   exactly when it is ``synthetic``; elastic allocations are whole 8-GPU nodes;
 - the pearl policy requests the GPU type the elastic source grants;
-- scaled prompt tokens fit in the model's context (``rollout.max_context_tokens``).
+- scaled prompt tokens fit in the model's context (``rollout.max_context_tokens``);
+- at most one data file per input: ``elastic.trace.windows_file`` or ``idle_series_file``,
+  ``rollout.workload_file`` or ``traces_dir`` (none = pearl's shipped data).
 
 GPU types are checked against the runtime profile by the loader (``pearl.io.scenarios``),
-which has the profile; this module knows no profile.
+which has the profile; this module knows no profile. Data paths are strings here; the
+loader expands and resolves them and checks that they exist.
 """
 
 from __future__ import annotations
@@ -31,6 +34,14 @@ NonNegInt = Annotated[int, Field(ge=0)]
 PosFloat = Annotated[float, Field(gt=0.0)]
 NonNegFloat = Annotated[float, Field(ge=0.0)]
 GpuType = Annotated[str, Field(min_length=1)]
+# A file or folder; the loader expands $VARIABLES and ~ and resolves it against the scenario.
+DataPath = Annotated[str, Field(min_length=1)]
+
+
+def _at_most_one(section: Frozen, first: str, second: str) -> None:
+    """Two fields that name the same input in two ways: at most one may be given."""
+    if getattr(section, first) is not None and getattr(section, second) is not None:
+        raise ValueError(f"{second}: given with {first} (name one of them)")
 
 
 class NodeGroup(Frozen):
@@ -59,6 +70,21 @@ class TraceElastic(Frozen):
     max_gpus: PosInt | None = Field(
         None, description="Cap on elastic GPUs open at once; None = no cap."
     )
+    windows_file: DataPath | None = Field(
+        None,
+        description="An availability windows file (format pearl.availability_windows); "
+        "None = the shipped pearl/data/helios_windows.json.",
+    )
+    idle_series_file: DataPath | None = Field(
+        None,
+        description="A raw Helios cluster_sequence CSV (time, idle_gpu_num per minute) to "
+        "cut into windows instead of a windows file (research use).",
+    )
+
+    @model_validator(mode="after")
+    def _one_file(self) -> TraceElastic:
+        _at_most_one(self, "windows_file", "idle_series_file")
+        return self
 
 
 class SyntheticElastic(Frozen):
@@ -121,7 +147,7 @@ class ElasticSection(Frozen):
 
 
 class WorkloadScaling(Frozen):
-    """Means passed to ``pearl.sim.trajectories.scaled``; None keeps the traces' mean."""
+    """Means passed to ``pearl.sim.trajectories.scaled``; None keeps the data's mean."""
 
     prompt_tokens: PosFloat | None = Field(None, description="Mean prompt tokens.")
     output_tokens_per_turn: PosFloat | None = Field(
@@ -158,6 +184,21 @@ class RolloutSection(Frozen):
     max_context_tokens: PosInt = Field(
         description="The model's context length; prompts are clipped to it."
     )
+    workload_file: DataPath | None = Field(
+        None,
+        description="A workload samples file (format pearl.workload_samples); None = the "
+        "shipped pearl/data/agentic_workload.json.",
+    )
+    traces_dir: DataPath | None = Field(
+        None,
+        description="A folder of the raw public traces to fit the workload to instead of a "
+        "samples file (research use, e.g. $PEARL_TRACES).",
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> RolloutSection:
+        _at_most_one(self, "workload_file", "traces_dir")
+        return self
 
 
 class TrainingSection(Frozen):

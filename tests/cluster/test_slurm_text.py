@@ -19,12 +19,14 @@ from pearl.cluster.slurm_text import (
     parse_squeue,
 )
 
+RAW = "the recorded sacct output is a raw third-party file"
+
 DCAST = "tdhock-slurm__slurm-dcast-agg.txt"  # 20,830 rows of JobID|ExitCode|State|MaxRSS|Elapsed
 ALLCOLS = "tdhock-slurm__sacct-allcols.txt"  # one job, --format=ALL, tab-separated
 
 
 def test_recorded_sacct_of_an_array_job() -> None:
-    rows = parse_sacct((traces_or_skip() / DCAST).read_text(encoding="utf-8"))
+    rows = parse_sacct((traces_or_skip(RAW) / DCAST).read_text(encoding="utf-8"))
     assert len(rows) == 20_830
     # Counted independently with awk -F'|' on the file.
     assert Counter(r.state for r in rows) == {
@@ -50,7 +52,7 @@ def test_recorded_sacct_of_an_array_job() -> None:
 
 
 def test_recorded_sacct_with_every_column() -> None:
-    rows = parse_sacct((traces_or_skip() / ALLCOLS).read_text(encoding="utf-8"))
+    rows = parse_sacct((traces_or_skip(RAW) / ALLCOLS).read_text(encoding="utf-8"))
     assert rows and all(len(r.fields) == 108 for r in rows)
     job = rows[0]
     assert job.job_id.job == 32650736 and not job.job_id.is_step

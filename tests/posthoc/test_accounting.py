@@ -39,6 +39,8 @@ from pearl.cluster.slurm_text import SlurmTextError
 from pearl.cluster.submission import Submission
 from pearl.core.decision import ElasticRequest
 
+RAW = "the sacct and Eagle fixtures are raw third-party files"
+
 ROOT = Path(__file__).resolve().parents[2]
 DCAST = "tdhock-slurm__slurm-dcast-agg.txt"
 ALLCOLS = "tdhock-slurm__sacct-allcols.txt"
@@ -239,7 +241,7 @@ def test_roles_match_what_pearl_submits() -> None:
 
 
 def test_allcols_job_against_slurms_own_columns() -> None:
-    path = traces_or_skip() / ALLCOLS
+    path = traces_or_skip(RAW) / ALLCOLS
     rows = list(csv.DictReader(path.open(encoding="utf-8"), delimiter="\t"))
     job = next(r for r in rows if "." not in r["JobID"])
     data = parse_sacct(path.read_text(encoding="utf-8"))
@@ -259,7 +261,7 @@ def test_allcols_job_against_slurms_own_columns() -> None:
 
 
 def test_dcast_array_jobs_counted_independently() -> None:
-    path = traces_or_skip() / DCAST
+    path = traces_or_skip(RAW) / DCAST
     lines = path.read_text(encoding="utf-8").splitlines()[1:]
     fields = [line.split("|") for line in lines]
     jobs = [f for f in fields if "." not in f[0]]
@@ -283,7 +285,7 @@ def test_dcast_array_jobs_counted_independently() -> None:
 
 
 def test_eagle_sample_against_the_csv() -> None:
-    path = traces_or_skip() / EAGLE
+    path = traces_or_skip(RAW) / EAGLE
     rows = list(csv.DictReader(path.open(encoding="utf-8")))
     data = parse_accounting(path.read_text(encoding="utf-8"), EAGLE)
     assert data == parse_eagle_csv(path.read_text(encoding="utf-8"), EAGLE)

@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 import yaml
 from test_analysis_golden import FULL_LOG, write_log
-from trace_files import traces_or_skip
 
 from analysis.runs import find_run_logs
 from pearl.cli.main import main
@@ -176,7 +175,6 @@ def _check_report(out: Path, names: list[str]) -> dict[str, Any]:
 
 def test_simulate_then_analyze(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The analysis, computed from the logs alone, agrees with the simulator's own figures."""
-    traces_or_skip()
     scenario = tmp_path / "tiny.yaml"
     scenario.write_text(yaml.safe_dump(TINY_SCENARIO))
     sim_out = tmp_path / "sim"

@@ -12,6 +12,8 @@ from trace_files import traces_or_skip
 from pearl.sim.availability import Window, open_gpus_at, synthetic_windows, windows_from_idle_series
 from pearl.traces import HELIOS_VC, read_helios_idle
 
+RAW = "the window rule is checked on the raw Helios series"
+
 
 def _open_per_sample(windows: tuple[Window, ...], time_s: np.ndarray) -> np.ndarray:
     """GPUs of the open windows at every sample time."""
@@ -83,7 +85,7 @@ def test_windows_never_exceed_the_idle_nodes(idle: list[int], min_duration_s: fl
 
 
 def test_helios_windows_respect_the_series() -> None:
-    series = read_helios_idle(traces_or_skip() / HELIOS_VC)
+    series = read_helios_idle(traces_or_skip(RAW) / HELIOS_VC)
     windows = windows_from_idle_series(series.time_s, series.idle_gpus, gpu_type="v100")
     _check_invariants(windows, series.time_s, series.idle_gpus, 600.0)
     assert windows == windows_from_idle_series(series.time_s, series.idle_gpus, gpu_type="v100")

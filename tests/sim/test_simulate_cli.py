@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 import sim_fixtures as F
 import yaml
-from trace_files import traces_or_skip
 
 from pearl.cli.main import main
 from pearl.io.runlog import ReadStats, read_records
@@ -37,7 +36,6 @@ def _scenario_file(tmp_path: Path, **changes: object) -> Path:
 
 
 def test_simulate_json_summary_and_logs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    traces_or_skip()
     scenario = _scenario_file(tmp_path)
     out = tmp_path / "out"
     argv = ["simulate", str(scenario), "--seeds", "1", "--duration-s", "300"]
@@ -121,7 +119,6 @@ def test_bad_numbers_on_the_command_line_exit_2(
 def test_bench_predictor_reports_the_error_of_every_decision(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    traces_or_skip()
     scenario = _scenario_file(tmp_path)
     code = main(["bench", "predictor", str(scenario), "--duration-s", "600", "--json"])
     captured = capsys.readouterr()
@@ -133,7 +130,6 @@ def test_bench_predictor_reports_the_error_of_every_decision(
 
 
 def test_bench_sim_reports_speed(capsys: pytest.CaptureFixture[str]) -> None:
-    traces_or_skip()
     code = main(["bench", "sim", "--gpus", "32", "--sim-hours", "0.02", "--json"])
     captured = capsys.readouterr()
     assert code == 0, captured.err

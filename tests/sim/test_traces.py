@@ -25,6 +25,8 @@ from pearl.traces import (
     traces_dir,
 )
 
+RAW = "the raw trace readers parse the raw files"
+
 
 def test_traces_dir_honours_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PEARL_TRACES", "/somewhere/else")
@@ -34,7 +36,7 @@ def test_traces_dir_honours_the_environment(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_tracelab_sessions() -> None:
-    s = read_tracelab_sessions(traces_or_skip() / TRACELAB_SESSIONS)
+    s = read_tracelab_sessions(traces_or_skip(RAW) / TRACELAB_SESSIONS)
     assert s.input_len.size == 303
     turns = s.turns_per_session()
     assert turns.size == 48 and turns.sum() == 303 and turns.min() >= 1
@@ -45,29 +47,29 @@ def test_tracelab_sessions() -> None:
 
 
 def test_tracelab_rounds() -> None:
-    r = read_tracelab_rounds(traces_or_skip() / TRACELAB_ROUNDS)
+    r = read_tracelab_rounds(traces_or_skip(RAW) / TRACELAB_ROUNDS)
     assert r.output_tokens.size == 19
     assert np.all(r.tool_latency_ms[r.num_tools == 0] == 0)
     assert np.all(r.tool_latency_ms[r.num_tools > 0] > 0)
 
 
 def test_swe_agent_steps() -> None:
-    paths = sorted(traces_or_skip().glob("SWE-agent__*.traj"))
+    paths = sorted(traces_or_skip(RAW).glob("SWE-agent__*.traj"))
     latencies = [read_swe_agent_latencies_s(p) for p in paths]
     assert [x.size for x in latencies] == [13, 0]  # the gpt4 trajectory records no times
     assert np.all((latencies[0] > 0.05) & (latencies[0] < 5))
 
 
 def test_request_lengths() -> None:
-    azure = read_azure_lengths(traces_or_skip() / AZURE_CONV)
-    mooncake = read_mooncake_lengths(traces_or_skip() / MOONCAKE_CONV)
+    azure = read_azure_lengths(traces_or_skip(RAW) / AZURE_CONV)
+    mooncake = read_mooncake_lengths(traces_or_skip(RAW) / MOONCAKE_CONV)
     assert azure.input_tokens.size == 19366  # as the traces README says
     assert mooncake.input_tokens.size == 12031
     assert np.median(azure.input_tokens) == 1020 and np.median(azure.output_tokens) == 129
 
 
 def test_helios_series() -> None:
-    series = read_helios_idle(traces_or_skip() / HELIOS_VC)
+    series = read_helios_idle(traces_or_skip(RAW) / HELIOS_VC)
     assert series.idle_gpus.size == 44640
     assert np.all(np.diff(series.time_s) == 60.0) and series.time_s[0] == 0.0
     assert series.idle_gpus.min() >= 0 and series.idle_gpus.max() <= 56

@@ -1,15 +1,15 @@
 """The trajectory model: determinism, layout invariants, means, shape under scaling, tails.
 
-Pure tests use small synthetic observation arrays; the ``real`` tests fit the model to the
-public traces (skipped without them, failing under CI).
+Pure tests use small synthetic observation arrays; the ``real`` tests fit the model to
+pearl's shipped workload samples (``pearl/data``, derived from the public traces).
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from trace_files import traces_or_skip
 
+from pearl.io.data_files import SHIPPED_WORKLOAD, read_workload_samples, shipped
 from pearl.sim.distributions import fit_distribution, mean_of, rescaled, sample
 from pearl.sim.trajectories import (
     TrajectoryModel,
@@ -19,7 +19,6 @@ from pearl.sim.trajectories import (
     sample_trajectories,
     scaled,
 )
-from pearl.traces import fit_trajectory_model_from
 
 
 def _toy_model() -> TrajectoryModel:
@@ -127,12 +126,12 @@ def test_fit_rejects_degenerate_observations(values: list[float], problem: str) 
         fit_distribution(values)
 
 
-# --- fitted to the public traces --------------------------------------------------------
+# --- fitted to the shipped data (derived from the public traces) -------------------------
 
 
 @pytest.fixture(scope="module")
 def real_model() -> TrajectoryModel:
-    return fit_trajectory_model_from(traces_or_skip())
+    return fit_trajectory_model(**read_workload_samples(shipped(SHIPPED_WORKLOAD)))
 
 
 def test_real_model_large_sample_matches_its_means(real_model: TrajectoryModel) -> None:
