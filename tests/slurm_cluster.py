@@ -65,6 +65,16 @@ class DevCluster:
         """The job's state in ``squeue`` ("" once it has left)."""
         return self.run("squeue", "-h", "-j", job_id, "-o", "%T", check=False).strip()
 
+    def start_requeued(self, job_id: str) -> None:
+        """Start a requeued job without waiting out Slurm's requeue delay (its BeginTime).
+
+        Not at once: the requeue revokes the job's credential on its node, and slurmd
+        refuses a credential made in the same second as the revocation ("Job N already
+        killed, do not launch batch job"; the job then fails), which the delay avoids."""
+        wait_for(lambda: self.job_state(job_id) == "PENDING", 30, "the requeue", self)
+        time.sleep(2.0)
+        self.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+
     def restarts(self, job_id: str) -> int:
         """How many times Slurm has requeued the job and started it again."""
         out = self.run("scontrol", "show", "job", job_id)

@@ -143,20 +143,18 @@ def test_coordinator_job_gets_a_grant_and_resumes_after_a_requeue(
     assert nodes <= {"h20-1", "h20-2"} and len(nodes) == 1
     records = replay(journal).num_records
     cluster.run("scontrol", "requeue", job_id)
-    # A requeued job waits out a BeginTime (Slurm's requeue delay); start it now.
-    wait_for(
-        lambda: cluster.job_state(job_id) == "PENDING",
-        30,
-        "the requeue",
-        cluster,
-    )
-    cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
-    wait_for(
-        lambda: cluster.restarts(job_id) >= 1 and cluster.job_state(job_id) == "RUNNING",
-        90,
-        "the requeued coordinator",
-        cluster,
-    )
+    cluster.start_requeued(job_id)
+    try:
+        wait_for(
+            lambda: cluster.restarts(job_id) >= 1 and cluster.job_state(job_id) == "RUNNING",
+            90,
+            "the requeued coordinator",
+            cluster,
+        )
+    except AssertionError as err:
+        job = cluster.run("scontrol", "show", "job", job_id, check=False)
+        why = f"{err}\n{job}\n{_diagnosis(tmp_path)}\n{cluster.logs()}"
+        raise AssertionError(why) from None
     # each incarnation journals its first state
     wait_for(lambda: replay(journal).num_records > records, 60, "the new incarnation", cluster)
     time.sleep(3)  # a few ticks of it

@@ -52,8 +52,7 @@ def test_coordinator_sbatch_requeues_itself_on_the_warning(
     before = replay(journal).num_records
     # Slurm's warning, as before the time limit or at a preemption (--signal=B:USR2)
     cluster.run("scancel", "--batch", "--signal=USR2", job_id)
-    wait_for(lambda: cluster.job_state(job_id) == "PENDING", 30, "the requeue", cluster)
-    cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+    cluster.start_requeued(job_id)
     wait_for(lambda: cluster.restarts(job_id) >= 1, 60, "the next incarnation", cluster)
     wait_for(lambda: replay(journal).num_records > before, 60, "its journal records", cluster)
     assert replay(journal).state is not None
