@@ -4,7 +4,7 @@ pearl ships compact files derived from the public traces, so that a clone runs w
 (formats: ``pearl/io/data_files.py``, ``docs/simulator.md`` "Data files"):
 
 - ``agentic_workload.json``: the observations the simulator's trajectory model resamples
-  (``pearl.traces.workload_observations``: TraceLab, SWE-agent, Azure and Mooncake), as
+  (``pearl.io.traces.workload_observations``: TraceLab, SWE-agent, Azure and Mooncake), as
   sorted (value, count) runs; the turns keep their order.
 - ``helios_windows.json``: every availability window of the Helios ``idle_gpu_num`` series
   (``pearl.sim.availability.windows_from_idle_series`` with ``min_duration_s`` 0; a
@@ -31,7 +31,7 @@ from pearl.io.data_files import (
     render_windows,
     render_workload_samples,
 )
-from pearl.traces import HELIOS_VC, helios_windows, workload_observations
+from pearl.io.traces import HELIOS_VC, helios_windows, workload_observations
 
 REPO = Path(__file__).resolve().parents[1]
 COMMAND = ".venv/bin/python benchmarks/derive_data.py --traces-dir ../shared/traces"

@@ -13,12 +13,12 @@ import json
 
 import numpy as np
 
+from pearl.bench.synth import build_workload
 from pearl.core.config import SelectionConfig
 from pearl.core.pd import GpuBudget
 from pearl.core.predictor import prepare
 from pearl.core.selection import select_pd
 from pearl.io.documents import load_profile
-from pearl.synth import build_workload
 
 BUDGETS = {
     "qwen3-8b": [{"h100": [8] * 12}, {"h100": [8] * 32}, {"h800": [8] * 6, "h20": [8] * 6}],

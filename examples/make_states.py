@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from pearl.bench.synth import Layout, build_state, build_workload
 from pearl.cli.plan import PlanInput
 from pearl.core.observation import (
     AllocationGranted,
@@ -22,7 +23,6 @@ from pearl.core.observation import (
     TrainerStatus,
 )
 from pearl.core.roles import Role
-from pearl.synth import Layout, build_state, build_workload
 
 OUT = Path(__file__).resolve().parent / "states"
 

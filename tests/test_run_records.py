@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pearl.bench.synth import Layout, build_state
 from pearl.core.observation import (
     AllocationEnded,
     AllocationGranted,
@@ -11,9 +12,8 @@ from pearl.core.observation import (
     observe,
 )
 from pearl.core.state import Phase, Role
-from pearl.logschema import AllocationChanged, GpuAdded, GpuRemoved, WorkerPhase
-from pearl.run_records import state_records
-from pearl.synth import Layout, build_state
+from pearl.runlog.records import state_records
+from pearl.runlog.schema import AllocationChanged, GpuAdded, GpuRemoved, WorkerPhase
 
 
 def test_the_first_state_logs_every_gpu_and_worker() -> None:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from pearl.io.runlog import ReadStats, RunLogWriter, read_records
-from pearl.logschema import (
+from pearl.runlog.jsonl import ReadStats, RunLogWriter, read_records
+from pearl.runlog.schema import (
     RECORD_TYPES,
     AllocationChanged,
     BatchCompleted,

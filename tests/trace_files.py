@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from pearl.traces import traces_dir
+from pearl.io.traces import traces_dir
 
 
 def traces_or_skip(why: str) -> Path:

@@ -18,11 +18,11 @@ from typing import Any
 
 import numpy as np
 
+from pearl.bench.synth import Layout, build_state, build_workload, settle
 from pearl.core.config import PolicyConfig
 from pearl.core.decide import decide
 from pearl.core.observation import Observation, TrainerPhase, TrainerStatus
 from pearl.io.documents import load_profile
-from pearl.synth import Layout, build_state, build_workload, settle
 
 
 def bench_decide(num_gpus: int, repeats: int, profile_name: str, seed: int = 0) -> dict[str, Any]:

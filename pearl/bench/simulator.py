@@ -21,7 +21,7 @@ import numpy as np
 
 from pearl.io.scenarios import load_scenario_and_profile
 from pearl.io.simulation import run_inputs
-from pearl.sim.policies import make_policy
+from pearl.sim.baselines import make_policy
 from pearl.sim.runner import simulate
 from pearl.sim.scenario import Scenario
 

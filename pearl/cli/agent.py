@@ -1,18 +1,73 @@
 """``pearl agent``: the node agent (``pearl.control.agent``), started in each allocation
-under ``srun --mpi=pmi2`` or ``mpiexec -n 1``; ``pearl agent --help`` lists its options."""
+under ``srun --mpi=pmi2`` or ``mpiexec -n 1`` (``pearl.control.agent.agent_command``)."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import shlex
+import socket
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("agent", help="run a node agent (inside an allocation)", add_help=False)
-    p.add_argument("args", nargs=argparse.REMAINDER, help="the agent's options")
+    p = sub.add_parser("agent", help="run a node agent (inside an allocation)")
+    p.add_argument("--run-dir", required=True, help="run directory holding control/port.json")
+    p.add_argument("--agent-id", default=None, help="default: NODE-JOBID-PID")
+    p.add_argument("--node", default=os.environ.get("SLURMD_NODENAME") or socket.gethostname())
+    p.add_argument(
+        "--gpus",
+        default=os.environ.get("CUDA_VISIBLE_DEVICES", ""),
+        help="comma-separated local GPU indices or NODE/INDEX ids",
+    )
+    p.add_argument("--gpu-type", default="h100")
+    p.add_argument(
+        "--engine",
+        action="append",
+        default=[],
+        metavar="ROLE=CMD",
+        help="engine argv per role ('*' for any); {port} {role} {worker_id}",
+    )
+    p.add_argument(
+        "--null-workers",
+        action="store_true",
+        help="record commands without launching anything (benchmarks)",
+    )
+    p.add_argument(
+        "--job-id",
+        default=os.environ.get("SLURM_JOB_ID"),
+        help="the scheduler's job the agent runs in (default: SLURM_JOB_ID)",
+    )
+    p.add_argument("--grace-s", type=float, default=30.0)
+    p.add_argument("--connect-timeout-s", type=float, default=60.0)
+    p.add_argument("--log-dir", default=None, help="the agent's and its engines' logs")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from pearl.control.agent import main  # MPI is initialised only for this command
+    # MPI is initialised only for this command
+    from pearl.control.agent import Agent, parse_gpus
+    from pearl.control.workers import NullWorkers, ProcessWorkers, Workers
 
-    return main(args.args)
+    gpus, index = parse_gpus(args.gpus, args.gpu_type, args.node)
+    workers: Workers
+    if args.null_workers:
+        workers = NullWorkers()
+    else:
+        commands = {}
+        for spec in args.engine:
+            role, _, cmd = spec.partition("=")
+            commands[role] = shlex.split(cmd)
+        workers = ProcessWorkers(commands, index, log_dir=args.log_dir)
+    agent_id = args.agent_id or f"{args.node}-{args.job_id or 'local'}-{os.getpid()}"
+    agent = Agent(
+        args.run_dir,
+        agent_id,
+        args.node,
+        gpus,
+        workers,
+        grace_s=args.grace_s,
+        job_id=args.job_id,
+        connect_timeout_s=args.connect_timeout_s,
+        log_dir=args.log_dir,
+    )
+    return agent.run()

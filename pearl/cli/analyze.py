@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from analysis import report
+from pearl.analysis import report
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

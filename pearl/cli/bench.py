@@ -69,7 +69,7 @@ def _run_sim(args: argparse.Namespace) -> int:
 def _run_control(args: argparse.Namespace) -> int:
     if args.agents < 1 or args.repeats < 1:
         raise InputError("<command line>", "--agents/--repeats", "need >= 1")
-    from pearl.bench.control import main  # initialises MPI in this process
+    from pearl.bench.control_latency import main  # initialises MPI in this process
 
     argv = ["--agents", str(args.agents), "--repeats", str(args.repeats)]
     return main([*argv, "--json"] if args.json else argv)  # exits the process (no Finalize)
@@ -78,6 +78,6 @@ def _run_control(args: argparse.Namespace) -> int:
 def _run_analyze(args: argparse.Namespace) -> int:
     if args.events < 100:
         raise InputError("<command line>", "--events", "need >= 100")
-    from analysis.bench import bench_analyze  # draws with matplotlib (the analysis extra)
+    from pearl.analysis.bench import bench_analyze  # draws with matplotlib (the analysis extra)
 
     return _print(bench_analyze(args.events), args.json)

@@ -21,7 +21,7 @@ from pearl.cluster.backend import AllocationBackend, AllocationConfigError
 from pearl.cluster.local_backend import LocalBackend
 from pearl.cluster.slurm_backend import SlurmBackend
 from pearl.coordinator.config import CoordinatorConfig, load_config
-from pearl.coordinator.control import MpiControl
+from pearl.coordinator.control_plane import MpiControl
 from pearl.coordinator.loop import Coordinator, workload_file
 from pearl.io.documents import InputError, load_profile
 

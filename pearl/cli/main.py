@@ -27,9 +27,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["agent"]:  # every option is the agent's own, --help included
-        return agent.run(argparse.Namespace(args=argv[1:]))
     args = build_parser().parse_args(argv)
     try:
         code: int = args.run(args)

@@ -18,12 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from pearl.io.documents import InputError
-from pearl.io.runlog import RunLogWriter
 from pearl.io.scenarios import load_scenario_and_profile
 from pearl.io.simulation import run_inputs
+from pearl.runlog.jsonl import RunLogWriter
+from pearl.sim.baselines import REPORTED, make_policy
 from pearl.sim.metrics import RunMetrics
 from pearl.sim.oracle import OracleBound, oracle_bound
-from pearl.sim.policies import REPORTED, make_policy
 from pearl.sim.report import compare, runs_needed, table
 from pearl.sim.rollout import trajectory_stream
 from pearl.sim.runner import simulate, trajectory_rng

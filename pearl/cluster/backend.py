@@ -221,7 +221,11 @@ def _step(snap: JobSnapshot, t: _Tracked) -> list[Event]:
 
 @dataclass(frozen=True)
 class HoldAllocation:
-    """Placeholder job payload until the node agent exists: keeps the allocation alive.
+    """The job payload of a coordinator without agents: keeps the allocation alive.
+
+    With agents configured, each allocation runs ``AgentPayload`` (``agent_payload.py``);
+    without them (a coordinator that only takes and watches allocations, as the Slurm
+    requeue test runs one) this holds the nodes until the allocation ends.
 
     Runs on each node of the allocation (submitit starts one task per node). It replaces
     submitit's USR2 handler, which would ``scontrol requeue`` the job on preemption: on the

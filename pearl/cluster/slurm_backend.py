@@ -2,8 +2,8 @@
 
 One allocation is one job (``pearl.cluster.submission``): job name ``pearl-RUN-ALLOCATION``
 and comment ``pearl:run=RUN,...``, so the run's jobs can be found by name. The job runs
-``payload`` once per node (submitit, one task per node; by default ``HoldAllocation``, until
-the node agent takes its place).
+``payload`` once per node (submitit, one task per node): the node agent's
+``AgentPayload``, or ``HoldAllocation`` for a coordinator without agents.
 
 Watching (``poll``): at most one ``squeue --noheader --format=SQUEUE_FORMAT
 --name=<the run's active job names>`` per ``poll_interval_s`` of the run clock, plus one

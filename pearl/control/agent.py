@@ -14,15 +14,11 @@ the workers and exit (3 and 0). A refused ``Hello``: exit 2.
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import contextlib
 import os
 import queue
-import shlex
-import shutil
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
@@ -40,18 +36,12 @@ from pearl.control.messages import (
     ProtocolError,
     Welcome,
 )
-from pearl.control.mpi import load_mpi
+from pearl.control.mpi import find_mpiexec, load_mpi
 from pearl.control.portfile import wait_port_file
 from pearl.control.rendezvous import KnockRefused, knock
-from pearl.control.workers import NullWorkers, ProcessWorkers, Workers
+from pearl.control.workers import Workers
 
 EXIT_OK, EXIT_REFUSED, EXIT_LOST = 0, 2, 3
-
-
-def find_mpiexec() -> str | None:
-    """The ``mpiexec`` of this interpreter's environment (the MPICH wheel's), else PATH's."""
-    beside = Path(sys.executable).with_name("mpiexec")
-    return str(beside) if beside.exists() else shutil.which("mpiexec")
 
 
 def agent_command(run_dir: str | Path, node: str, *options: str) -> list[str]:
@@ -68,7 +58,8 @@ def agent_command(run_dir: str | Path, node: str, *options: str) -> list[str]:
         "1",
         sys.executable,
         "-m",
-        "pearl.control.agent",
+        "pearl.cli.main",
+        "agent",
         "--run-dir",
         str(run_dir),
         "--node",
@@ -220,7 +211,7 @@ class Agent:
         return EXIT_OK
 
 
-def _parse_gpus(spec: str, gpu_type: str, node: str) -> tuple[list[GpuInfo], dict[str, int]]:
+def parse_gpus(spec: str, gpu_type: str, node: str) -> tuple[list[GpuInfo], dict[str, int]]:
     """``--gpus 0,1`` -> ids ``NODE/0``, ``NODE/1`` with local CUDA indices 0, 1."""
     gpus, index = [], {}
     for i, tok in enumerate(t for t in spec.split(",") if t):
@@ -228,69 +219,3 @@ def _parse_gpus(spec: str, gpu_type: str, node: str) -> tuple[list[GpuInfo], dic
         gpus.append(GpuInfo(id=gid, type=gpu_type))
         index[gid] = i
     return gpus, index
-
-
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="pearl agent", description=__doc__.split("\n")[0])
-    ap.add_argument("--run-dir", required=True, help="run directory holding control/port.json")
-    ap.add_argument("--agent-id", default=None, help="default: NODE-JOBID-PID")
-    ap.add_argument("--node", default=os.environ.get("SLURMD_NODENAME") or socket.gethostname())
-    ap.add_argument(
-        "--gpus",
-        default=os.environ.get("CUDA_VISIBLE_DEVICES", ""),
-        help="comma-separated local GPU indices or NODE/INDEX ids",
-    )
-    ap.add_argument("--gpu-type", default="h100")
-    ap.add_argument(
-        "--engine",
-        action="append",
-        default=[],
-        metavar="ROLE=CMD",
-        help="engine argv per role ('*' for any); {port} {role} {worker_id}",
-    )
-    ap.add_argument(
-        "--null-workers",
-        action="store_true",
-        help="record commands without launching anything (benchmarks)",
-    )
-    ap.add_argument(
-        "--job-id",
-        default=os.environ.get("SLURM_JOB_ID"),
-        help="the scheduler's job the agent runs in (default: SLURM_JOB_ID)",
-    )
-    ap.add_argument("--grace-s", type=float, default=30.0)
-    ap.add_argument("--connect-timeout-s", type=float, default=60.0)
-    ap.add_argument("--log-dir", default=None, help="the agent's and its engines' logs")
-    return ap
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    job_id = args.job_id
-    gpus, index = _parse_gpus(args.gpus, args.gpu_type, args.node)
-    workers: Workers
-    if args.null_workers:
-        workers = NullWorkers()
-    else:
-        cmds = {}
-        for e in args.engine:
-            role, _, cmd = e.partition("=")
-            cmds[role] = shlex.split(cmd)
-        workers = ProcessWorkers(cmds, index, log_dir=args.log_dir)
-    agent_id = args.agent_id or f"{args.node}-{job_id or 'local'}-{os.getpid()}"
-    agent = Agent(
-        args.run_dir,
-        agent_id,
-        args.node,
-        gpus,
-        workers,
-        grace_s=args.grace_s,
-        job_id=job_id,
-        connect_timeout_s=args.connect_timeout_s,
-        log_dir=args.log_dir,
-    )
-    return agent.run()
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -25,7 +25,7 @@ DRAINING_ACTIONS = frozenset({Action.DRAIN, Action.MIGRATE})
 
 
 @dataclass(frozen=True)
-class StepResult:
+class PlanStepResult:
     step_id: int
     status: str  # ok | failed | timeout | lost | aborted
     agent_id: str | None
@@ -36,8 +36,8 @@ class StepResult:
 
 @dataclass
 class PlanResult:
-    steps: dict[int, StepResult] = field(default_factory=dict)
-    compensations: dict[str, StepResult] = field(default_factory=dict)  # worker -> abort_drain
+    steps: dict[int, PlanStepResult] = field(default_factory=dict)
+    compensations: dict[str, PlanStepResult] = field(default_factory=dict)  # worker -> abort_drain
     elapsed_s: float = 0.0
 
     @property
@@ -75,7 +75,7 @@ def execute_plan(
             deps = [result.steps.get(d) for d in step.depends_on]
             if any(d is not None and d.status != "ok" for d in deps):
                 bad = next(d for d in deps if d is not None and d.status != "ok")
-                result.steps[sid] = StepResult(
+                result.steps[sid] = PlanStepResult(
                     sid, "aborted", None, f"dependency {bad.step_id} {bad.status}", 0.0, _since(t0)
                 )
                 del waiting[sid]
@@ -85,7 +85,7 @@ def execute_plan(
             del waiting[sid]
             agent = server.agent_for_node(step.node)
             if agent is None:
-                result.steps[sid] = StepResult(
+                result.steps[sid] = PlanStepResult(
                     sid, "lost", None, f"no agent on {step.node}", 0.0, _since(t0)
                 )
                 continue
@@ -118,8 +118,8 @@ def _since(t0: float) -> float:
     return time.monotonic() - t0
 
 
-def _step_result(step_id: int, r: CommandResult, ended_s: float = 0.0) -> StepResult:
-    return StepResult(step_id, r.status, r.agent_id, r.error, r.elapsed_s, ended_s)
+def _step_result(step_id: int, r: CommandResult, ended_s: float = 0.0) -> PlanStepResult:
+    return PlanStepResult(step_id, r.status, r.agent_id, r.error, r.elapsed_s, ended_s)
 
 
 def _compensate(

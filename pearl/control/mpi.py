@@ -22,8 +22,17 @@ nic=eth0") and mpi4py 4.x:
 
 from __future__ import annotations
 
+import shutil
+import sys
+from pathlib import Path
 from types import ModuleType
 from typing import Any
+
+
+def find_mpiexec() -> str | None:
+    """The ``mpiexec`` of this interpreter's environment (the MPICH wheel's), else PATH's."""
+    beside = Path(sys.executable).with_name("mpiexec")
+    return str(beside) if beside.exists() else shutil.which("mpiexec")
 
 
 def load_mpi(thread_level: str = "multiple") -> Any:

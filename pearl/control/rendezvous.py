@@ -27,6 +27,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+from pearl.control.mpi import find_mpiexec
+
 KNOCK_VERSION = 1
 KNOCK_TIMEOUT_S = 5.0
 ACCEPT_TIMEOUT_S = 10.0  # an admitted peer connects within milliseconds
@@ -128,8 +130,6 @@ class AcceptWatchdog:
         self._timer.start()
 
     def _fire(self) -> None:
-        from pearl.control.agent import find_mpiexec  # the agent's launcher, MPICH's Hydra
-
         mpiexec = find_mpiexec()
         if mpiexec is None:
             return

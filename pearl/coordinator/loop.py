@@ -36,7 +36,7 @@ from typing import Any, Protocol
 
 from pearl.cluster.backend import AllocationBackend, AllocationConfigError
 from pearl.coordinator.config import CoordinatorConfig, initial_state
-from pearl.coordinator.control import PlanOutcome, write_agents
+from pearl.coordinator.control_plane import PlanOutcome, write_agents
 from pearl.coordinator.journal import Journal, replay
 from pearl.coordinator.reconcile import AgentEvent, GrantGate, LiveAgent, agent_observations
 from pearl.coordinator.runlog import CoordinatorLog

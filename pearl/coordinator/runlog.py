@@ -7,7 +7,7 @@ records of the last change, never loses them; readers take a repeated record as 
 no-op). Times are the run clock.
 
 What is logged: the GPU, worker and allocation changes of each new state
-(``pearl.run_records.state_records``); an allocation ``granted`` when Slurm grants it
+(``pearl.runlog.records.state_records``); an allocation ``granted`` when Slurm grants it
 (its GPUs reach the state later, once its agents joined, and that ``granted`` repeats);
 a ``decision`` record when a decision plans, asks for or releases allocations, or lends
 or returns GPUs, and otherwise at most once every ``quiet_decision_interval_s``;
@@ -20,14 +20,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pearl.coordinator.control import PlanOutcome
+from pearl.coordinator.control_plane import PlanOutcome
 from pearl.core.decision import BorrowKind, Decision
 from pearl.core.observation import AllocationGranted
 from pearl.core.plan import TransitionPlan
 from pearl.core.state import AllocationStatus, ClusterState
-from pearl.io.runlog import RunLogWriter
-from pearl.logschema import AllocationChanged, BorrowChanged, PlanStepDone, RunEnded, RunStarted
-from pearl.run_records import BorrowJournal, decision_record, state_records
+from pearl.runlog.jsonl import RunLogWriter
+from pearl.runlog.records import BorrowJournal, decision_record, state_records
+from pearl.runlog.schema import AllocationChanged, BorrowChanged, PlanStepDone, RunEnded, RunStarted
 
 POLICY = "pearl"
 

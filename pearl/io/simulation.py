@@ -28,12 +28,11 @@ from pearl.io.data_files import (
     read_workload_samples,
     shipped,
 )
-from pearl.sim.availability import Window, synthetic_windows
-from pearl.sim.cluster import clip_windows
+from pearl.io.traces import fit_trajectory_model_from, helios_windows
+from pearl.sim.availability import Window, clip_windows, synthetic_windows
 from pearl.sim.runner import RunInputs
 from pearl.sim.scenario import RolloutSection, Scenario, TraceElastic
 from pearl.sim.trajectories import TrajectoryModel, fit_trajectory_model, scaled
-from pearl.traces import fit_trajectory_model_from, helios_windows
 
 WINDOW_SEED_SALT = 0x5EED  # windows draw from their own stream, apart from the run's
 # Synthetic windows are drawn from this long before the run starts, so a run begins in the

@@ -20,7 +20,7 @@ from pearl.core.observation import (
     Event,
     GrantedNode,
 )
-from pearl.logschema import AllocationChanged, Record
+from pearl.runlog.schema import AllocationChanged, Record
 from pearl.sim.availability import GPUS_PER_NODE
 from pearl.sim.metrics import GpuClock
 from pearl.sim.slurm import Job, SlurmEvent, SlurmModel

@@ -126,3 +126,21 @@ def synthetic_windows(
 def open_gpus_at(windows: tuple[Window, ...], time_s: float) -> int:
     """GPUs of the windows open at ``time_s`` (``start_s <= time_s < end_s``)."""
     return sum(w.num_gpus for w in windows if w.start_s <= time_s < w.end_s)
+
+
+def clip_windows(
+    windows: tuple[Window, ...], offset_s: float, duration_s: float, max_gpus: int | None
+) -> tuple[Window, ...]:
+    """Trace windows moved to run time (trace ``offset_s`` is run time 0), clipped to the
+    run, and capped: windows that would open more than ``max_gpus`` at once are dropped."""
+    out: list[Window] = []
+    for w in sorted(windows):
+        start_s, end_s = max(w.start_s - offset_s, 0.0), min(w.end_s - offset_s, duration_s)
+        if end_s <= start_s:
+            continue
+        clipped = Window(start_s, end_s, w.num_gpus, w.gpu_type)
+        open_now = sum(o.num_gpus for o in out if o.start_s <= start_s < o.end_s)
+        if max_gpus is not None and open_now + w.num_gpus > max_gpus:
+            continue
+        out.append(clipped)
+    return tuple(out)

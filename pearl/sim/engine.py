@@ -110,7 +110,7 @@ class KvHandoff:
 
 
 @dataclass(frozen=True, slots=True)
-class StepResult:
+class EngineStepResult:
     duration_s: float
     num_steps: int  # scheduler steps this result covers (0 when idle)
     num_decode_seqs: int  # sequences decoded per step
@@ -121,7 +121,7 @@ class StepResult:
     handoffs: tuple[KvHandoff, ...] = ()
 
 
-IDLE_STEP = StepResult(0.0, 0, 0, 0, 0)
+IDLE_STEP = EngineStepResult(0.0, 0, 0, 0, 0)
 
 
 @dataclass(slots=True, eq=False)
@@ -269,7 +269,7 @@ class EngineModel:
 
     # --- one step --------------------------------------------------------------------
 
-    def step(self, max_steps: int = 1, max_duration_s: float = math.inf) -> StepResult:
+    def step(self, max_steps: int = 1, max_duration_s: float = math.inf) -> EngineStepResult:
         """Run one scheduler step, or up to ``max_steps`` identical decode steps that end
         within ``max_duration_s`` (at least one step is always run)."""
         if not (self._running or self._waiting):
@@ -280,7 +280,7 @@ class EngineModel:
                 return self._decode_steps(num_steps, max_duration_s)
         return self._single_step()
 
-    def _single_step(self) -> StepResult:
+    def _single_step(self) -> EngineStepResult:
         preempted: list[str] = []
         budget = self.engine.max_batched_tokens
         if self._waiting:
@@ -310,7 +310,7 @@ class EngineModel:
                 num_prefill += n
         finished = self._finish(duration_s) if num_decoding else ()
         handoffs = self._advance_prefills(chunks, duration_s) if chunks else ()
-        return StepResult(
+        return EngineStepResult(
             duration_s,
             1,
             num_decoding,
@@ -592,7 +592,7 @@ class EngineModel:
             total += sum(self._hist[first : first + k])
         return total
 
-    def _decode_steps(self, num_steps: int, max_duration_s: float) -> StepResult:
+    def _decode_steps(self, num_steps: int, max_duration_s: float) -> EngineStepResult:
         batch = len(self._running)
         ctx = self._ctx
         decode = self.engine.decode
@@ -623,7 +623,7 @@ class EngineModel:
         self._dec += num_steps
         self._ctx += batch * num_steps
         finished = self._finish(duration_s)
-        return StepResult(duration_s, num_steps, batch, 0, batch * num_steps, finished)
+        return EngineStepResult(duration_s, num_steps, batch, 0, batch * num_steps, finished)
 
 
 _LOOP_STEPS = 64  # multi-step calls of up to this many steps time them without numpy

@@ -30,8 +30,8 @@ from pearl.core.apply import apply_plan
 from pearl.core.decision import Decision
 from pearl.core.plan import Action, PlanStep
 from pearl.core.state import ClusterState
-from pearl.logschema import PlanStepDone
-from pearl.sim.cluster import synced
+from pearl.runlog.schema import PlanStepDone
+from pearl.sim.states import synced
 from pearl.sim.timeline import P_PLAN, P_STEP, P_TRAIN, Follow
 
 if TYPE_CHECKING:

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from pearl.core.profile import RuntimeProfile
 from pearl.core.roles import Role
-from pearl.sim.engine import EngineModel, KvHandoff, PartialOutput, Request, StepResult
+from pearl.sim.engine import EngineModel, EngineStepResult, KvHandoff, PartialOutput, Request
 
 MAX_STEPS_PER_CALL = 4096
 
@@ -48,7 +48,7 @@ class Instance:
     weights_version: int
     busy_until_s: float | None = None  # end of the step in flight
     step_started_s: float = 0.0
-    result: StepResult | None = None
+    result: EngineStepResult | None = None
     paused_until_s: float = 0.0  # e.g. loading new weights
     due: list[tuple[float, str]] = field(default_factory=list)  # (arrival time, request id)
     num_assigned: int = 0  # requests in flight to it (tool call or KV transfer)
@@ -159,7 +159,7 @@ class Fleet:
         inst.busy_until_s = now_s + result.duration_s
         return inst.busy_until_s
 
-    def end_step(self, inst: Instance) -> StepResult:
+    def end_step(self, inst: Instance) -> EngineStepResult:
         result = inst.result
         assert result is not None and inst.busy_until_s is not None
         inst.result, inst.busy_until_s = None, None

@@ -49,7 +49,8 @@ from pearl.core.profile import RuntimeProfile
 from pearl.core.roles import GpuSource
 from pearl.core.state import ClusterState
 from pearl.core.workload import TrajPhase
-from pearl.logschema import (
+from pearl.runlog.records import BorrowJournal, decision_record, state_records
+from pearl.runlog.schema import (
     BatchCompleted,
     BorrowChanged,
     Record,
@@ -58,20 +59,19 @@ from pearl.logschema import (
     TrainStep,
     TrajectoryFinished,
 )
-from pearl.run_records import BorrowJournal, decision_record, state_records
 from pearl.sim.allocations import ElasticAllocations
 from pearl.sim.availability import Window
-from pearl.sim.cluster import initial_state, synced
+from pearl.sim.baselines import SimPolicy
 from pearl.sim.engine import KvHandoff, PartialOutput, Request, kv_transfer_s
 from pearl.sim.events import EventLoop
 from pearl.sim.execution import PlanExecution
 from pearl.sim.fleet import Fleet, Instance, handoff_request
-from pearl.sim.journal import PredictionLedger
 from pearl.sim.metrics import GpuClock, RunMetrics
-from pearl.sim.policies import SimPolicy
+from pearl.sim.predictions import PredictionLedger
 from pearl.sim.rollout import Rollout, Trajectory
 from pearl.sim.scenario import Scenario
 from pearl.sim.slurm import SlurmModel
+from pearl.sim.states import initial_state, synced
 from pearl.sim.timeline import P_ARRIVE, P_DECIDE, P_SLURM, P_STEP, P_TRAIN, Follow
 from pearl.sim.trajectories import TrajectoryModel, means, turns_left_table
 

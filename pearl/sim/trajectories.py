@@ -1,7 +1,7 @@
 """The simulator's workload model: multi-turn agentic trajectories fitted to public traces.
 
 Pure: no I/O, no clock; randomness only from the ``numpy.random.Generator`` passed in. The
-trace files are read by the shell (``pearl.traces``), which hands plain arrays to
+trace files are read by the shell (``pearl.io.traces``), which hands plain arrays to
 ``fit_trajectory_model``.
 
 A trajectory (``TrajectorySpec``) is a prompt followed by ``num_turns`` turns. Before turn

@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from pearl.control.agent import agent_command, find_mpiexec
+from pearl.control.agent import agent_command
+from pearl.control.mpi import find_mpiexec
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]

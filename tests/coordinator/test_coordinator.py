@@ -18,7 +18,7 @@ import yaml
 from pearl.cli.main import main
 from pearl.coordinator.journal import replay
 from pearl.core.state import AllocationStatus
-from pearl.io.runlog import ReadStats, read_records
+from pearl.runlog.jsonl import ReadStats, read_records
 
 
 def _config(tmp_path: Path, **changes: object) -> Path:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pearl.bench.synth import Layout, build_state
 from pearl.coordinator.runlog import CoordinatorLog
 from pearl.core.observation import AllocationGranted, GrantedNode
 from pearl.core.state import BorrowWindow
-from pearl.io.runlog import ReadStats, read_records
-from pearl.synth import Layout, build_state
+from pearl.runlog.jsonl import ReadStats, read_records
 
 
 def test_a_borrow_window_that_closes_is_logged_returned_and_a_restart_appends(

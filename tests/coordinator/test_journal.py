@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from pearl.bench.synth import Layout, build_state
 from pearl.coordinator.journal import Journal, replay
 from pearl.core.state import ClusterState
 from pearl.io.documents import InputError
-from pearl.synth import Layout, build_state
 
 
 def _state() -> ClusterState:

@@ -3,6 +3,7 @@ agent, and grants held for agents."""
 
 from __future__ import annotations
 
+from pearl.bench.synth import Layout, build_state
 from pearl.coordinator.reconcile import AgentEvent, GrantGate, LiveAgent, agent_observations
 from pearl.core.observation import (
     AllocationEnded,
@@ -14,7 +15,6 @@ from pearl.core.observation import (
     WorkersLost,
     observe,
 )
-from pearl.synth import Layout, build_state
 
 
 def _grant(aid: str, *nodes: str) -> AllocationGranted:

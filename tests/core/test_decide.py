@@ -3,6 +3,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from pearl.bench.synth import Layout, build_state, build_workload, settle
 from pearl.core.apply import apply_plan
 from pearl.core.config import BorrowingConfig, PolicyConfig, SwitchingConfig
 from pearl.core.decide import decide
@@ -21,7 +22,6 @@ from pearl.core.profile import RuntimeProfile
 from pearl.core.registry import UnknownName
 from pearl.core.state import AllocationStatus
 from pearl.io.documents import load_profile
-from pearl.synth import Layout, build_state, build_workload, settle
 
 WAITING = TrainerStatus(phase=TrainerPhase.WAITING)
 TRAINING = TrainerStatus(phase=TrainerPhase.TRAINING)

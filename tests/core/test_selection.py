@@ -3,6 +3,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from pearl.bench.synth import build_workload
 from pearl.core.config import SelectionConfig
 from pearl.core.pd import GpuBudget, PDMode, fits
 from pearl.core.predictor import prepare
@@ -11,7 +12,6 @@ from pearl.core.roles import Role
 from pearl.core.selection import prefill_advantage, select_pd
 from pearl.core.workload import WorkloadSnapshot
 from pearl.io.documents import load_profile
-from pearl.synth import build_workload
 
 
 @pytest.fixture(scope="module")

@@ -6,9 +6,9 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from pearl.bench.synth import Layout, build_state
 from pearl.core.roles import Phase, Role
 from pearl.core.state import ClusterState
-from pearl.synth import Layout, build_state
 
 
 def _doc() -> dict[str, Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from pearl.bench.synth import Layout, build_state
 from pearl.core.pd import InstanceSpec, PDConfig
 from pearl.core.plan import Target
 from pearl.core.planner import plan_transition
@@ -12,7 +13,6 @@ from pearl.core.roles import GpuSource, Role
 from pearl.core.state import ClusterState
 from pearl.core.transition_cost import estimate_transition_s, inventory
 from pearl.io.documents import load_profile
-from pearl.synth import Layout, build_state
 
 DRAIN_S = 2.0
 

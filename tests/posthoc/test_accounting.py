@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from trace_files import traces_or_skip
 
-from analysis.accounting import (
+from pearl.analysis.accounting import (
     SacctUnavailable,
     array_size,
     gpus_of_gres,
@@ -358,11 +358,12 @@ def test_cli_bad_input_is_one_line_and_exit_2(
     assert captured.err.startswith(f"{path}: ")
 
 
-def test_module_runs_as_a_script(tmp_path: Path) -> None:
+def test_the_script_over_job_logs_runs(tmp_path: Path) -> None:
+    """``python analysis/accounting.py FILE``, as a user runs it over a job's sacct file."""
     path = tmp_path / "sacct.txt"
     path.write_text(TEXT)
     done = subprocess.run(
-        [sys.executable, "-m", "analysis.accounting", str(path), "--json"],
+        [sys.executable, str(ROOT / "analysis" / "accounting.py"), str(path), "--json"],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -4,6 +4,8 @@ the report files, the benchmark's JSON, and ``pearl simulate`` then ``pearl anal
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +13,7 @@ import pytest
 import yaml
 from test_analysis_golden import FULL_LOG, write_log
 
-from analysis.runs import find_run_logs
+from pearl.analysis.runs import find_run_logs
 from pearl.cli.main import main
 from pearl.io.documents import InputError
 
@@ -124,13 +126,13 @@ def test_nothing_to_analyze_exits_2_with_one_line(
     assert not (tmp_path / "out").exists()
 
 
-def test_python_m_analysis_report_exits_2_on_a_missing_dir(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    from analysis.report import main as report_main
-
-    assert report_main([str(tmp_path / "nope")]) == 2
-    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+def test_the_report_script_exits_2_on_a_missing_dir(tmp_path: Path) -> None:
+    """``python analysis/report.py RUN_DIR``, as a user runs it over job logs."""
+    script = Path(__file__).resolve().parents[2] / "analysis" / "report.py"
+    argv = [sys.executable, str(script), str(tmp_path / "nope")]
+    done = subprocess.run(argv, capture_output=True, text=True, check=False, cwd=tmp_path)
+    assert done.returncode == 2 and done.stdout == ""
+    assert len(done.stderr.strip().splitlines()) == 1 and "nope" in done.stderr
 
 
 def test_accounting_section_from_an_sacct_file(

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from analysis.runs import RunLog, analyze_log
-from analysis.timeline import GpuTimeline, Segment
-from pearl.logschema import GpuAdded, GpuRemoved
+from pearl.analysis.runs import RunLog, analyze_log
+from pearl.analysis.timeline import GpuTimeline, Segment
+from pearl.runlog.schema import GpuAdded, GpuRemoved
 
 H = 3600.0
 

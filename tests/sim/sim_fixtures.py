@@ -17,12 +17,12 @@ from typing import Any
 
 from pearl.core.profile import RuntimeProfile
 from pearl.io.documents import load_profile
-from pearl.logschema import Record
+from pearl.runlog.schema import Record
 from pearl.sim.availability import Window
+from pearl.sim.baselines import make_policy
 from pearl.sim.distributions import EmpiricalTail
 from pearl.sim.fleet import Instance
 from pearl.sim.metrics import RunMetrics
-from pearl.sim.policies import make_policy
 from pearl.sim.runner import RunInputs, Simulation
 from pearl.sim.scenario import Scenario
 from pearl.sim.trajectories import TrajectoryModel, fit_trajectory_model

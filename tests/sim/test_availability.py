@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from trace_files import traces_or_skip
 
+from pearl.io.traces import HELIOS_VC, read_helios_idle
 from pearl.sim.availability import Window, open_gpus_at, synthetic_windows, windows_from_idle_series
-from pearl.traces import HELIOS_VC, read_helios_idle
 
 RAW = "the window rule is checked on the raw Helios series"
 

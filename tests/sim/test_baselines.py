@@ -1,5 +1,5 @@
 """Each baseline's defining behaviour, read from its run's log and metrics
-(``pearl/sim/policies.py`` docstring): on the busy inputs of ``sim_fixtures`` (B = 256 on
+(``pearl/sim/baselines.py`` docstring): on the busy inputs of ``sim_fixtures`` (B = 256 on
 one rollout node, elastic windows that end mid-run), where lending and elastic GPUs pay."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 import sim_fixtures as F
 
 from pearl.core.config import PolicyConfig
-from pearl.sim.policies import RUN_POLICIES, make_policy
+from pearl.sim.baselines import RUN_POLICIES, make_policy
 
 
 def _decisions(policy: str) -> list[object]:

@@ -28,9 +28,9 @@ from pearl.io.data_files import (
 from pearl.io.documents import InputError
 from pearl.io.scenarios import load_scenario_and_profile
 from pearl.io.simulation import run_inputs, trace_windows, trajectory_model
+from pearl.io.traces import HELIOS_VC, fit_trajectory_model_from, helios_windows
 from pearl.sim.availability import open_gpus_at
 from pearl.sim.trajectories import fit_trajectory_model, means
-from pearl.traces import HELIOS_VC, fit_trajectory_model_from, helios_windows
 
 REPO = Path(__file__).resolve().parents[2]
 DERIVE = REPO / "benchmarks" / "derive_data.py"

@@ -18,7 +18,7 @@ from pearl.core.profile import (
     RuntimeProfile,
 )
 from pearl.core.roles import Role
-from pearl.sim.engine import EngineModel, Request, StepResult, kv_transfer_s
+from pearl.sim.engine import EngineModel, EngineStepResult, Request, kv_transfer_s
 from pearl.sim.kv_cache import BLOCK_TOKENS
 
 CAPACITY_TOKENS = 100_000
@@ -53,7 +53,9 @@ def make_engine(
     return EngineModel(role, engine_profile(**kwargs), capacity_tokens)
 
 
-def run_to_end(engine: EngineModel, max_steps: int = 1, limit: int = 100_000) -> list[StepResult]:
+def run_to_end(
+    engine: EngineModel, max_steps: int = 1, limit: int = 100_000
+) -> list[EngineStepResult]:
     results = []
     while engine.has_work:
         results.append(engine.step(max_steps))
@@ -169,7 +171,7 @@ def test_every_request_finishes_once_and_kv_never_overflows(
     max_batched_tokens: int,
     max_steps: int,
 ) -> None:
-    def run() -> list[StepResult]:
+    def run() -> list[EngineStepResult]:
         engine = make_engine(
             capacity_tokens=capacity_tokens,
             max_num_seqs=max_num_seqs,

@@ -8,8 +8,8 @@ import itertools
 import pytest
 import sim_fixtures as F
 
+from pearl.sim.baselines import RUN_POLICIES
 from pearl.sim.oracle import OracleBound, oracle_bound
-from pearl.sim.policies import RUN_POLICIES
 from pearl.sim.rollout import trajectory_stream
 from pearl.sim.runner import RunInputs, trajectory_rng
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import sim_fixtures as F
 
-from pearl.logschema import encode
+from pearl.runlog.schema import encode
+from pearl.sim.baselines import RUN_POLICIES, make_policy
 from pearl.sim.kv_cache import BLOCK_TOKENS
-from pearl.sim.policies import RUN_POLICIES, make_policy
 from pearl.sim.rollout import trajectory_stream
 from pearl.sim.runner import RunInputs, Simulation, simulate, trajectory_rng
 

@@ -10,8 +10,8 @@ import sim_fixtures as F
 import yaml
 
 from pearl.cli.main import main
-from pearl.io.runlog import ReadStats, read_records
-from pearl.sim.policies import REPORTED
+from pearl.runlog.jsonl import ReadStats, read_records
+from pearl.sim.baselines import REPORTED
 from pearl.sim.report import runs_needed
 
 ENTRY_KEYS = {

@@ -146,7 +146,7 @@ def test_real_model_large_sample_matches_its_means(real_model: TrajectoryModel) 
     assert got["turns"].min() >= 3 and got["turns"].max() <= 9  # TraceLab: 3-9 rounds
 
 
-# p99/p50 of the pooled observations (``python -m pearl.traces``, ``data_p99_over_p50``):
+# p99/p50 of the pooled observations (``python -m pearl.io.traces``, ``data_p99_over_p50``):
 # prompt 50.06, output 4.23, observation 5.82, tool latency 116.0. The model draws each
 # observation with probability 1/(n+1) and puts the remaining 1/(n+1) above the largest one,
 # so its quantiles are at least the data's at nearly the same level; a sample keeps these

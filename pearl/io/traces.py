@@ -44,7 +44,7 @@ def traces_dir() -> Path:
     env = os.environ.get("PEARL_TRACES")
     if env:
         return Path(env)
-    return Path(__file__).resolve().parents[2] / "shared" / "traces"
+    return Path(__file__).resolve().parents[3] / "shared" / "traces"  # pearl/io/traces.py
 
 
 @dataclass(frozen=True)
@@ -310,7 +310,7 @@ def helios_windows(
 
 
 def summary(directory: Path, seed: int = 0, num_trajectories: int = 50_000) -> dict[str, Any]:
-    """Measured statistics of the fitted models (``python -m pearl.traces``; docs/simulator.md).
+    """Measured statistics of the fitted models (``python -m pearl.io.traces``; docs/simulator.md).
 
     For each component: the pooled observations (count, mean, p99/p50, max), the fitted
     mean, and mean, p50, p99 and max of a seeded sample of ``num_trajectories``

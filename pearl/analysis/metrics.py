@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from pearl.logschema import BatchCompleted, RunEnded, RunStarted, TrainStep, TrajectoryFinished
+from pearl.runlog.schema import BatchCompleted, RunEnded, RunStarted, TrainStep, TrajectoryFinished
 
 BIN_S = 10.0  # width of the throughput bins (s); the plots merge them
 Handlers = dict[str, Callable[[Any], None]]

@@ -3,7 +3,7 @@
 Every record carries ``v`` (the schema version), ``t`` (the run's clock, seconds since
 its start) and ``type``; the other fields depend on the type (``docs/log-schema.md``
 lists them). The simulator and the coordinator write the same records, so one analysis
-reads both. Pure: no I/O; ``pearl.io.runlog`` writes and reads files.
+reads both. Pure: no I/O; ``pearl.runlog.jsonl`` writes and reads files.
 
 Invariants: a record round-trips through ``encode``/``decode`` unchanged; ``decode``
 rejects an unknown type, a missing field or a wrong version with a ``ValueError`` naming

@@ -23,7 +23,7 @@ from typing import Literal
 
 from pearl.core.decision import BorrowKind, Decision
 from pearl.core.state import AllocationKind, ClusterState, Worker
-from pearl.logschema import (
+from pearl.runlog.schema import (
     AllocationChanged,
     BorrowChanged,
     DecisionMade,

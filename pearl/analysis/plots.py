@@ -19,8 +19,8 @@ from matplotlib.collections import PolyCollection
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from analysis.runs import RunAnalysis
-from analysis.timeline import ROLES, Segment
+from pearl.analysis.runs import RunAnalysis
+from pearl.analysis.timeline import ROLES, Segment
 
 ROLE_COLOURS = {
     "train": "#4c72b0",

@@ -1,6 +1,6 @@
 """The control side of one run: PD configurations and transitions, borrow windows and
 elastic allocations, accumulated record by record (one streaming pass, like
-``analysis.metrics``).
+``pearl.analysis.metrics``).
 
 - ``PdTimeline``: ``decision`` and ``plan_step``. The configuration in force is the
   target label of the last decision, from the moment its plan ended; a decision with
@@ -11,7 +11,7 @@ elastic allocations, accumulated record by record (one streaming pass, like
   ``force_return`` decides its end, ``returned`` closes it. Lent GPU-hours count every
   lent GPU from the lend decision to ``returned`` (or the run's end): an upper bound of
   the time the GPUs were away (they leave and come back during plan steps).
-- ``ElasticAllocations``: ``allocation`` records per ``allocation_id``: GPUs held from
+- ``ElasticUse``: ``allocation`` records per ``allocation_id``: GPUs held from
   ``granted`` to ``ended`` (reclaimed), ``released`` (by the policy) or the run's end.
 """
 
@@ -22,8 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from analysis.metrics import describe, rounded
-from pearl.logschema import AllocationChanged, BorrowChanged, DecisionMade, PlanStepDone
+from pearl.analysis.metrics import describe, rounded
+from pearl.runlog.schema import AllocationChanged, BorrowChanged, DecisionMade, PlanStepDone
 
 Handlers = dict[str, Callable[[Any], None]]
 _HEAD = re.compile(r"^(?:disaggregated (?P<p>\d+)P:(?P<d>\d+)D|(?P<mode>\w+) (?P<c>\d+)C)")
@@ -303,7 +303,7 @@ PREEMPTION_REASONS = frozenset({"", "preempted", "reclaimed"})
 
 
 @dataclass
-class ElasticAllocations:
+class ElasticUse:
     allocations: dict[str, Allocation] = field(default_factory=dict)
 
     def handlers(self) -> Handlers:

@@ -14,7 +14,7 @@ reason mentioning preemption or a reclaim is marked preempted.
 GPU-hours by role add up each segment; utilisation is the share of present GPU-time in a
 working role (``train``, ``colocated``, ``prefill``, ``decode``) in phase ``ready``.
 
-A log without any of these records (logs of simulators older than ``pearl.run_records``)
+A log without any of these records (logs of simulators older than ``pearl.runlog.records``)
 gives no segments; the report then draws borrow windows and elastic allocations instead,
 and the figures that need GPUs (base hours, hours by role, utilisation) are ``None``.
 """
@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pearl.logschema import BorrowChanged, GpuAdded, GpuRemoved, WorkerPhase
+from pearl.runlog.schema import BorrowChanged, GpuAdded, GpuRemoved, WorkerPhase
 
 Handlers = dict[str, Callable[[Any], None]]
 WORKING_ROLES = ("train", "colocated", "prefill", "decode")

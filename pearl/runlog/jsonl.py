@@ -1,4 +1,4 @@
-"""Writing and reading run logs (JSONL, schema in ``pearl.logschema``).
+"""Writing and reading run logs (JSONL, schema in ``pearl.runlog.schema``).
 
 The writer appends one line per record and flushes it, so a killed run loses at most
 the line being written; ``close`` also fsyncs. The reader streams: it never holds the
@@ -18,7 +18,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO
 
-from pearl.logschema import RECORD_TYPES, SCHEMA_VERSION, Record, decode, encode
+from pearl.runlog.schema import RECORD_TYPES, SCHEMA_VERSION, Record, decode, encode
 
 
 class RunLogWriter:

@@ -7,7 +7,7 @@ plan steps every other batch, borrow windows, and elastic allocations granted, p
 and re-requested with their GPUs added and removed. Most records are
 ``trajectory_finished``, as in a real run.
 
-``bench_analyze`` times ``analysis.report.analyze`` on it (read, summary, plots, report:
+``bench_analyze`` times ``pearl.analysis.report.analyze`` on it (read, summary, plots, report:
 ``wall_s``) and, separately, the streaming pass alone (``read_s``). The target (one core,
 one million events, ``wall_s`` under 30 s) is in ``docs/analysis.md``; tests only check
 the JSON's shape on a small log.
@@ -22,8 +22,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from analysis.report import analyze
-from analysis.runs import RunLog, analyze_log
+from pearl.analysis.report import analyze
+from pearl.analysis.runs import RunLog, analyze_log
 
 BATCH = 512
 TRAIN_GPUS = [f"train{n:03d}/{g}" for n in range(4) for g in range(8)]

@@ -12,11 +12,11 @@ Nothing else is read: in particular the coordinator's ``journal.jsonl`` (its wri
 journal of states, not a run log) is never taken for one. A missing path, or a directory
 where the rule finds nothing, is an ``InputError`` naming the path (exit status 2).
 
-``analyze_log`` reads a log once with ``pearl.io.runlog.read_records`` (skipping and
+``analyze_log`` reads a log once with ``pearl.runlog.jsonl.read_records`` (skipping and
 counting malformed lines, unknown types, other schema versions and invalid records) and
-feeds every record to the accumulators of ``analysis.metrics``, ``analysis.control`` and
-``analysis.timeline``; memory grows with the run's duration and control events, not
-with its trajectories.
+feeds every record to the accumulators of ``pearl.analysis.metrics``,
+``pearl.analysis.decisions`` and ``pearl.analysis.timeline``; memory grows with the run's
+duration and control events, not with its trajectories.
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from analysis.control import BorrowWindows, ElasticAllocations, PdTimeline
-from analysis.metrics import Batches, RunInfo, Throughput, Training
-from analysis.timeline import GpuTimeline
+from pearl.analysis.decisions import BorrowWindows, ElasticUse, PdTimeline
+from pearl.analysis.metrics import Batches, RunInfo, Throughput, Training
+from pearl.analysis.timeline import GpuTimeline
 from pearl.io.documents import InputError
-from pearl.io.runlog import ReadStats, read_records
-from pearl.logschema import Record
+from pearl.runlog.jsonl import ReadStats, read_records
+from pearl.runlog.schema import Record
 
 RUN_LOG_NAME = "events.jsonl"
 SEED_LOG_GLOB = "seed*.jsonl"
@@ -95,7 +95,7 @@ class RunAnalysis:
     batches: Batches
     pd: PdTimeline
     borrow: BorrowWindows
-    elastic: ElasticAllocations
+    elastic: ElasticUse
     timeline: GpuTimeline
     max_return_delay_s: float | None = None
 
@@ -158,7 +158,7 @@ def analyze_log(log: RunLog, max_return_delay_s: float | None = None) -> RunAnal
         batches=Batches(),
         pd=PdTimeline(),
         borrow=BorrowWindows(),
-        elastic=ElasticAllocations(),
+        elastic=ElasticUse(),
         timeline=GpuTimeline(),
         max_return_delay_s=max_return_delay_s,
     )
