@@ -12,7 +12,7 @@ elastic allocations, accumulated record by record (one streaming pass, like
   lent GPU from the lend decision to ``returned`` (or the run's end): an upper bound of
   the time the GPUs were away (they leave and come back during plan steps).
 - ``ElasticUse``: ``allocation`` records per ``allocation_id``: GPUs held from
-  ``granted`` to ``ended`` (reclaimed), ``released`` (by the policy) or the run's end.
+  ``granted`` to ``ended`` (preempted), ``released`` (by the policy) or the run's end.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pearl.analysis.metrics import describe, rounded
+from pearl.core.state import EndReason
 from pearl.runlog.schema import AllocationChanged, BorrowChanged, DecisionMade, PlanStepDone
 
 Handlers = dict[str, Callable[[Any], None]]
@@ -284,8 +285,7 @@ class Allocation:
 
     @property
     def preempted(self) -> bool:
-        """A preemption notice, or an end for no reason of the run's own (the simulator's
-        ``ended`` is a reclaim; the coordinator says ``preempted``)."""
+        """A preemption notice, or an end the owner caused (``preempted``)."""
         if self.preempting_t is not None:
             return True
         return self.end_status == "ended" and self.end_reason in PREEMPTION_REASONS
@@ -299,7 +299,14 @@ class Allocation:
         return self.num_gpus * max(0.0, self.held_until(run_end_t) - self.granted_t) / 3600.0
 
 
-PREEMPTION_REASONS = frozenset({"", "preempted", "reclaimed"})
+# An ``ended`` record without a reason is a simulator log's (the owner's end of a window),
+# and simulator logs said "reclaimed" before the one vocabulary of pearl.core.state.EndReason.
+PREEMPTION_REASONS = frozenset({"", EndReason.PREEMPTED.value, "reclaimed"})
+
+
+def is_preemption(reason: str) -> bool:
+    """Whether a removal's or an end's reason is the owner taking the GPUs back."""
+    return reason in PREEMPTION_REASONS and reason != ""
 
 
 @dataclass

@@ -8,8 +8,8 @@ makes it present from then on, of source ``unknown``. A GPU may host several wor
 (an offloaded engine beside the trainer): it shows the most active of them (a working
 role before ``idle``, ``ready`` before other phases, the latest among equals); a
 worker leaves its GPUs on ``gone`` or when a later record names other GPUs. Between a
-``lend`` and the ``returned`` that follows it the lent GPUs are marked borrowed. A GPU removed for a
-reason mentioning preemption or a reclaim is marked preempted.
+``lend`` and the ``returned`` that follows it the lent GPUs are marked borrowed. A GPU
+removed because its owner took it back (``decisions.is_preemption``) is marked preempted.
 
 GPU-hours by role add up each segment; utilisation is the share of present GPU-time in a
 working role (``train``, ``colocated``, ``prefill``, ``decode``) in phase ``ready``.
@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pearl.analysis.decisions import is_preemption
 from pearl.runlog.schema import BorrowChanged, GpuAdded, GpuRemoved, WorkerPhase
 
 Handlers = dict[str, Callable[[Any], None]]
@@ -74,11 +75,6 @@ class _Gpu:
         return best
 
 
-def _is_preemption(reason: str) -> bool:
-    r = reason.lower()
-    return "preempt" in r or "reclaim" in r
-
-
 @dataclass
 class GpuTimeline:
     segments: list[Segment] = field(default_factory=list)
@@ -123,7 +119,7 @@ class GpuTimeline:
         g = self._gpus.pop(r.gpu_id, None)
         if g is not None:
             self._cut(r.gpu_id, g, r.t)
-        kind = "preempted" if _is_preemption(r.reason) else "removed"
+        kind = "preempted" if is_preemption(r.reason) else "removed"
         self.markers.append(Marker(r.gpu_id, r.t, kind))
 
     def _on_phase(self, r: WorkerPhase) -> None:

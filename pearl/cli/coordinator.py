@@ -1,29 +1,8 @@
-"""``pearl coordinator CONFIG``: the persistent coordinator job.
-
-Its run clock is seconds since the run first started (``RUN_DIR/run.json``), so a
-requeued coordinator continues the same clock and journal. SIGTERM or SIGUSR2 (Slurm's
-warning before preemption or the time limit) ends it after the current tick, leaving its
-elastic jobs to the next incarnation; reaching ``--max-runtime-s`` releases them.
-"""
+"""``pearl coordinator CONFIG``: the persistent coordinator job (``pearl.coordinator.job``)."""
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import signal
-import time
-from pathlib import Path
-from types import FrameType
-
-from pearl.cluster.agent_payload import AgentPayload
-from pearl.cluster.backend import AllocationBackend, AllocationConfigError
-from pearl.cluster.local_backend import LocalBackend
-from pearl.cluster.slurm_backend import SlurmBackend
-from pearl.coordinator.config import CoordinatorConfig, load_config
-from pearl.coordinator.control_plane import MpiControl
-from pearl.coordinator.loop import Coordinator, workload_file
-from pearl.io.documents import InputError, load_profile
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -33,74 +12,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.set_defaults(run=run)
 
 
-def run_start_s(run_dir: Path) -> float:
-    """Wall time at which the run first started (``RUN_DIR/run.json``, written once); the
-    Slurm job of every incarnation is added to its ``slurm_job_ids`` (for accounting)."""
-    path = run_dir / "run.json"
-    doc = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
-    doc.setdefault("started_at_unix_s", time.time())
-    job_id = os.environ.get("SLURM_JOB_ID")
-    ids = doc.setdefault("slurm_job_ids", [])
-    if job_id and job_id not in ids:
-        ids.append(job_id)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(doc) + "\n", encoding="utf-8")
-    os.replace(tmp, path)  # atomic: a reader sees the old or the new document
-    return float(doc["started_at_unix_s"])
-
-
-def make_backend(config: CoordinatorConfig, run_dir: Path) -> AllocationBackend:
-    a = config.agents
-    payload = None
-    if a is not None:
-        gpu_type = config.policy.elastic.gpu_type
-        payload = AgentPayload(str(run_dir), gpu_type, a.engines, a.null_workers, a.grace_s)
-    if config.backend == "local":
-        return LocalBackend(run_dir / "jobs", payload=payload)
-    return SlurmBackend(
-        config.run_id,
-        run_dir / "jobs",
-        dict(config.gpus_per_node),
-        config.poll_interval_s,
-        qos=config.qos,
-        payload=payload,
-    )
-
-
 def run(args: argparse.Namespace) -> int:
-    config, run_dir = load_config(args.config)
-    profile = load_profile(config.profile, relative_to=Path(args.config).parent)
-    start_s = run_start_s(run_dir)
-    backend = make_backend(config, run_dir)
-    stopping = {"signal": 0}
+    from pearl.coordinator.job import run_job  # the slurm extra: submitit, mpi4py
 
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        stopping["signal"] = signum
-
-    for sig in (signal.SIGTERM, signal.SIGUSR2):
-        signal.signal(sig, on_signal)
-    control = MpiControl(run_dir) if config.agents is not None else None
-    coordinator = Coordinator(
-        config,
-        profile,
-        run_dir,
-        backend,
-        clock=lambda: time.time() - start_s,
-        workload=workload_file(run_dir / "workload.json"),
-        control=control,
-    )
-    ended: str | None = None  # a crash: the run may go on in a requeued incarnation
-    try:
-        coordinator.run(args.max_runtime_s, stop=lambda: bool(stopping["signal"]))
-        ended = None if stopping["signal"] else "max runtime reached"
-    except AllocationConfigError as err:  # Slurm refused a value of the configuration
-        ended = f"Slurm refused {err.field_name}"
-        raise InputError(args.config, err.field_name, err.detail) from None
-    finally:
-        coordinator.close(ended)
-        if control is not None:
-            control.close()
-    if not stopping["signal"]:
-        backend.close()  # a run that ended releases its allocations; a signalled one keeps them
-    return 0
+    return run_job(args.config, args.max_runtime_s)

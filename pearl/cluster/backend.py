@@ -41,6 +41,7 @@ from pearl.core.observation import (
     Event,
     GrantedNode,
 )
+from pearl.core.state import EndReason
 
 # Slurm job states (``squeue %T``, ``sacct State``); backends without Slurm use the same.
 PENDING_STATES = frozenset({"PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "RESIZING"})
@@ -61,13 +62,13 @@ TERMINAL_STATES = frozenset(
     }
 )
 _REASON_OF_STATE = {
-    "PREEMPTED": "preempted",
-    "TIMEOUT": "timeout",
-    "DEADLINE": "timeout",
-    "NODE_FAIL": "node_fail",
-    "BOOT_FAIL": "node_fail",
-    "CANCELLED": "cancelled",
-    "COMPLETED": "completed",
+    "PREEMPTED": EndReason.PREEMPTED,
+    "TIMEOUT": EndReason.TIMEOUT,
+    "DEADLINE": EndReason.TIMEOUT,
+    "NODE_FAIL": EndReason.NODE_FAIL,
+    "BOOT_FAIL": EndReason.NODE_FAIL,
+    "CANCELLED": EndReason.CANCELLED,
+    "COMPLETED": EndReason.COMPLETED,
 }
 
 
@@ -139,16 +140,16 @@ class _Tracked:
     last: JobSnapshot | None = None
 
 
-def end_reason(state: str, *, released: bool, preempting: bool) -> str:
+def end_reason(state: str, *, released: bool, preempting: bool) -> EndReason:
     """``AllocationEnded.reason`` of a job that ended in ``state`` (see the module doc)."""
     by_slurm = _REASON_OF_STATE.get(state)
-    if by_slurm in ("preempted", "timeout", "node_fail"):
+    if by_slurm in (EndReason.PREEMPTED, EndReason.TIMEOUT, EndReason.NODE_FAIL):
         return by_slurm
     if preempting:
-        return "preempted"
+        return EndReason.PREEMPTED
     if released:
-        return "released"
-    return by_slurm or "failed"
+        return EndReason.RELEASED
+    return by_slurm or EndReason.FAILED
 
 
 @dataclass

@@ -10,32 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pearl.coordinator.reconcile import AgentEvent
+from pearl.core.execution import PlanOutcome, StepOutcome
 from pearl.core.plan import TransitionPlan
-
-
-@dataclass(frozen=True)
-class StepOutcome:
-    step_id: int
-    ok: bool
-    error: str
-    started_s: float  # seconds after the plan started
-    ended_s: float
-
-
-@dataclass(frozen=True)
-class PlanOutcome:
-    """What became of a plan: ``carried_out`` are the steps whose effect stands (a failed
-    plan's acknowledged part, less the drains that were undone)."""
-
-    ok: bool
-    carried_out: frozenset[int]
-    steps: tuple[StepOutcome, ...] = ()
-    error: str = ""
 
 
 class MpiControl:

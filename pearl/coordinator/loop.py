@@ -1,4 +1,4 @@
-"""The coordinator's loop: observe -> ``pearl.core.decide()`` -> journal -> act.
+r"""The coordinator's loop: observe -> ``pearl.core.decide()`` -> journal -> act.
 
 Each tick (every ``decision_interval_s`` of the injected clock):
 
@@ -8,41 +8,45 @@ Each tick (every ``decision_interval_s`` of the injected clock):
    and the rollout workload (``WorkloadSource``: until the rollout manager exists, the
    snapshot it will write to ``run_dir/workload.json``; none means an empty batch);
 2. decide, and journal the resulting state *before* acting;
-3. act, each action announced in the journal (``intent``) and closed (``done``): elastic
-   requests are submitted, releases released, and a non-empty plan is handed to the
-   control plane. A plan that fails part-way leaves the state with the steps whose
-   effect stands (``PlanOutcome.carried_out``), so the next decision starts from what
-   runs. Without a control plane (``control=None``, no agents) a plan is journalled as
-   not executed and the state stays the observed one.
+3. carry the decision out through the core's ``Executor`` (``pearl.core.execution``, the
+   order the simulator follows too: requests, the plan, then the releases), the
+   coordinator being its ``World``: each action announced in the journal (``intent``)
+   and closed (``done``); a non-empty plan is handed to the control plane. A plan that
+   fails part-way leaves the state with the steps whose effect stands
+   (``PlanOutcome.carried_out``), so the next decision starts from what runs. Without a
+   control plane (``control=None``, no agents) a plan is journalled as not executed and
+   the state stays the observed one.
 
 Every new state, decision and plan step also goes to the run log (``events.jsonl``,
 ``pearl.coordinator.runlog``), the records the simulator writes.
 
-On start the loop replays the journal: the last state is the starting state; every
-allocation it holds live, and every submission announced but never closed, is found
-again in Slurm by its job name and watched (``backend.reattach``); one Slurm no longer
-knows ends, reason ``lost``, in the first observation. The clock is injected; nothing
-here sleeps except ``run``.
+``Coordinator.open`` starts an incarnation: it replays the journal (the last state is the
+starting state; ``resume``, pure), opens the journal and the run log, and ``reattach``\ es:
+every allocation the journal holds live, and every submission announced but never
+closed, is found again in Slurm by its job name and watched (``backend.reattach``); one
+Slurm no longer knows ends, reason ``lost``, in the first observation. The constructor
+itself takes all of that as data and does no I/O. The clock is injected; nothing here
+sleeps except ``run``.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
 from pearl.cluster.backend import AllocationBackend, AllocationConfigError
 from pearl.coordinator.config import CoordinatorConfig, initial_state
-from pearl.coordinator.control_plane import PlanOutcome, write_agents
-from pearl.coordinator.journal import Journal, replay
+from pearl.coordinator.control_plane import write_agents
+from pearl.coordinator.journal import Journal, Replay, replay
 from pearl.coordinator.reconcile import AgentEvent, GrantGate, LiveAgent, agent_observations
 from pearl.coordinator.runlog import CoordinatorLog
-from pearl.core.apply import apply_plan
 from pearl.core.decide import decide
 from pearl.core.decision import Decision, ElasticRequest
+from pearl.core.execution import AllocationIds, Executor, PlanEnd, PlanOutcome
 from pearl.core.observation import (
     AllocationEnded,
     AllocationGranted,
@@ -52,8 +56,7 @@ from pearl.core.observation import (
 )
 from pearl.core.plan import TransitionPlan
 from pearl.core.profile import RuntimeProfile
-from pearl.core.roles import TransitionError
-from pearl.core.state import AllocationKind, AllocationStatus, ClusterState
+from pearl.core.state import AllocationKind, AllocationStatus, ClusterState, EndReason
 from pearl.core.workload import WorkloadSnapshot
 from pearl.io.documents import parse, read_document
 
@@ -86,9 +89,59 @@ def workload_file(path: Path) -> WorkloadSource:
     return read
 
 
+@dataclass(frozen=True)
+class Resumed:
+    """Where an incarnation starts: the journal's last state (or the run's initial one),
+    the submissions it announced whose allocation that state does not hold yet (made,
+    maybe, just before a stop), and the ids and intent numbers used so far."""
+
+    state: ClusterState
+    unfinished: tuple[dict[str, Any], ...]
+    ids: AllocationIds
+    next_intent: int
+
+
+def resume(past: Replay, config: CoordinatorConfig) -> Resumed:
+    """What a replayed journal leaves for the next incarnation (pure)."""
+    state = past.state or initial_state(config)
+    known = {a.allocation_id for a in state.allocations}
+    unfinished = tuple(i for aid, i in past.submitted.items() if aid not in known)
+    ids = AllocationIds.after([*known, *past.submitted])  # never an id used before
+    return Resumed(state, unfinished, ids, past.next_seq)
+
+
 class Coordinator:
     def __init__(
         self,
+        config: CoordinatorConfig,
+        profile: RuntimeProfile,
+        backend: AllocationBackend,
+        clock: Clock,
+        workload: WorkloadSource,
+        journal: Journal,
+        log: CoordinatorLog,
+        resumed: Resumed,
+        control: ControlPlane | None = None,
+        agents_path: Path | None = None,
+    ) -> None:
+        """From data only; ``Coordinator.open`` replays, opens and reattaches."""
+        self.config, self.profile, self.backend = config, profile, backend
+        self.clock, self.workload, self.control = clock, workload, control
+        self.journal, self.log, self.agents_path = journal, log, agents_path
+        self.state: ClusterState = resumed.state
+        self.unfinished = list(resumed.unfinished)
+        self.executor = Executor(self, resumed.ids)
+        self._next_intent = resumed.next_intent  # plan and release intents: unique ids
+        self.decisions = 0
+        self._journalled: ClusterState | None = None  # each incarnation writes its first
+        self._lost: list[Event] = []
+        self._plan_intent: tuple[str, float] | None = None  # the running plan's, its end
+        join_timeout_s = config.agents.join_timeout_s if config.agents else 0.0
+        self.gate = GrantGate(join_timeout_s) if control is not None else None
+
+    @classmethod
+    def open(
+        cls,
         config: CoordinatorConfig,
         profile: RuntimeProfile,
         run_dir: Path,
@@ -96,36 +149,29 @@ class Coordinator:
         clock: Clock,
         workload: WorkloadSource,
         control: ControlPlane | None = None,
-    ) -> None:
-        self.config, self.profile, self.backend = config, profile, backend
-        self.clock, self.workload, self.control = clock, workload, control
-        self.journal_path = run_dir / "journal.jsonl"
-        self.agents_path = run_dir / "agents.json"
-        past = replay(self.journal_path)
-        self.state: ClusterState = past.state or initial_state(config)
-        known = {a.allocation_id for a in self.state.allocations}
-        # Submissions whose allocation the journalled state does not hold yet (announced and
-        # maybe made just before a stop): found again in Slurm like the live ones.
-        self.unfinished = [i for aid, i in past.submitted.items() if aid not in known]
-        self.journal = Journal(self.journal_path, past.next_seq, past.valid_bytes, past.submitted)
-        used = [_number(aid) for aid in (*known, *past.submitted)]
-        self._next_allocation = 1 + max(used, default=0)  # never an id used before
-        self._next_intent = past.next_seq  # plan and release intents: unique across restarts
-        self.decisions = 0
-        self._journalled: ClusterState | None = None  # each incarnation writes its first
-        self._lost: list[Event] = self._reattach()
-        join_timeout_s = config.agents.join_timeout_s if config.agents else 0.0
-        self.gate = GrantGate(join_timeout_s) if control is not None else None
-        self.log = CoordinatorLog(
+    ) -> Coordinator:
+        """An incarnation of the run in ``run_dir``: the journal replayed, the journal and
+        the run log opened, the allocations it holds watched again."""
+        path = run_dir / "journal.jsonl"
+        past = replay(path)
+        resumed = resume(past, config)
+        journal = Journal(path, past.next_seq, past.valid_bytes, past.submitted)
+        log = CoordinatorLog(
             run_dir / "events.jsonl",
             config.run_id,
             config.profile,
             past.state,
-            self.clock(),
+            clock(),
             config.policy.borrowing.max_return_delay_s,
         )
+        agents_path = run_dir / "agents.json"
+        coordinator = cls(
+            config, profile, backend, clock, workload, journal, log, resumed, control, agents_path
+        )
+        coordinator.reattach()
+        return coordinator
 
-    def _reattach(self) -> list[Event]:
+    def reattach(self) -> None:
         """After a restart: watch again every allocation the journal says is live, and
         every submission announced but never closed; one that Slurm no longer knows ends
         (``lost``) in the first observation."""
@@ -148,11 +194,9 @@ class Coordinator:
                     cfg.time_limit_min,
                 ),
             )
-        lost: list[Event] = []
         for aid, request in wanted.items():
             if not self.backend.reattach(request, aid):
-                lost.append(AllocationEnded(allocation_id=aid, reason="lost"))
-        return lost
+                self._lost.append(AllocationEnded(allocation_id=aid, reason=EndReason.LOST))
 
     def tick(self) -> Decision:
         now_s = self.clock()
@@ -169,35 +213,67 @@ class Coordinator:
         self.decisions += 1
         self._record(d.state, now_s)
         self.log.decision(d, now_s)
-        for request in d.elastic.requests:
-            aid = f"el{self._next_allocation:04d}"
-            self._next_allocation += 1
-            self.journal.intent(
-                aid,
-                "submit",
-                now_s,
-                gpu_type=request.gpu_type,
-                num_gpus=request.num_gpus,
-                partition=request.partition,
-            )
-            self._act(
-                aid,
-                now_s,
-                partial(self.backend.submit, request, aid),
-                retry=partial(self.backend.reattach, request, aid),
-            )
-        for aid in d.elastic.releases:
-            self._release(aid, now_s)
-        if not d.plan.empty:
-            self._execute(d.plan, now_s)
+        self.executor.carry_out(d, now_s)
         self._write_agents()
         if self.journal.size_bytes() > self.config.journal_max_bytes:
             self.journal.compact(self.state, now_s)
             self._journalled = self.state
         return d
 
+    # --- the world of the core's executor (pearl.core.execution.World) -------------------
+
+    def submit(self, allocation_id: str, request: ElasticRequest, now_s: float) -> None:
+        self.journal.intent(
+            allocation_id,
+            "submit",
+            now_s,
+            gpu_type=request.gpu_type,
+            num_gpus=request.num_gpus,
+            partition=request.partition,
+        )
+        self._act(
+            allocation_id,
+            now_s,
+            partial(self.backend.submit, request, allocation_id),
+            retry=partial(self.backend.reattach, request, allocation_id),
+        )
+
+    def release(self, allocation_id: str, now_s: float) -> None:
+        intent = f"release-{allocation_id}-{self._new_intent()}"
+        self.journal.intent(intent, "release", now_s, allocation_id=allocation_id)
+        self._act(intent, now_s, partial(self.backend.release, allocation_id))
+
+    def run_plan(self, plan: TransitionPlan, now_s: float) -> None:
+        """Hand the plan to the agents and wait for it; the executor learns its end."""
+        intent = f"plan-{self._new_intent()}"
+        self.journal.intent(intent, "plan", now_s, num_steps=len(plan.steps))
+        if self.control is None:
+            self._plan_intent = (intent, now_s)
+            self.executor.plan_ended(PlanOutcome(False, frozenset(), (), "no control plane"), now_s)
+            return
+        start_s = max(now_s, self.clock())  # after this tick's journal writes and Slurm calls
+        outcome = self.control.execute(plan)
+        end_s = max(start_s, self.clock())
+        self.log.plan(plan, outcome, start_s)
+        self._plan_intent = (intent, end_s)
+        self.executor.plan_ended(outcome, end_s)
+
+    def adopt(self, end: PlanEnd, now_s: float) -> None:
+        """The state with the plan's steps that stand; the plan's intent closed."""
+        assert self._plan_intent is not None
+        intent, end_s = self._plan_intent
+        self._plan_intent = None
+        if end.state is not self.state:
+            self._record(end.state, end_s)
+        if end.ok:
+            self.journal.done(intent, end_s)
+        else:
+            self.journal.done(intent, end_s, ok=False, error=end.error or "not acknowledged")
+
+    # --- observing ------------------------------------------------------------------------
+
     def _write_agents(self) -> None:
-        if self.control is not None:
+        if self.control is not None and self.agents_path is not None:
             write_agents(self.agents_path, self.control.agents())
 
     def _allocation_events(self, now_s: float) -> list[Event]:
@@ -215,8 +291,8 @@ class Coordinator:
             if isinstance(ev, AllocationGranted) and ev.allocation_id not in held:
                 self.log.granted(ev, now_s)
         events, give_up = self.gate.filter(events, alive, now_s, self._job_of)
-        for aid in give_up:
-            self._release(aid, now_s)
+        for aid in give_up:  # a grant no agent joined: not a decision's, given back now
+            self.release(aid, now_s)
         return events
 
     def _job_of(self, allocation_id: str) -> str | None:
@@ -230,34 +306,6 @@ class Coordinator:
         if self.control is None:
             return []
         return agent_observations(self.state, self.control.events(), now_s, self._job_of)
-
-    def _release(self, aid: str, now_s: float) -> None:
-        intent = f"release-{aid}-{self._new_intent()}"
-        self.journal.intent(intent, "release", now_s, allocation_id=aid)
-        self._act(intent, now_s, partial(self.backend.release, aid))
-
-    def _execute(self, plan: TransitionPlan, now_s: float) -> None:
-        """Hand the plan to the agents; the state keeps the steps whose effect stands."""
-        intent = f"plan-{self._new_intent()}"
-        self.journal.intent(intent, "plan", now_s, num_steps=len(plan.steps))
-        if self.control is None:
-            self.journal.done(intent, now_s, ok=False, error="no control plane")
-            return
-        start_s = max(now_s, self.clock())  # after this tick's journal writes and Slurm calls
-        outcome = self.control.execute(plan)
-        end_s = max(start_s, self.clock())
-        self.log.plan(plan, outcome, start_s)
-        done = plan if outcome.ok else _part(plan, outcome.carried_out)
-        if done.steps:
-            try:
-                after = apply_plan(self.state, done, now_s)
-                self._record(after.evolve(time_s=end_s), end_s)
-            except TransitionError as err:  # the part is not a consistent plan of its own
-                outcome = PlanOutcome(False, frozenset(), outcome.steps, f"{outcome.error}; {err}")
-        if outcome.ok:
-            self.journal.done(intent, end_s)
-        else:
-            self.journal.done(intent, end_s, ok=False, error=outcome.error or "not acknowledged")
 
     def _record(self, state: ClusterState, now_s: float) -> None:
         """The new state: logged, then journalled (unless unchanged). In that order, a
@@ -313,17 +361,6 @@ class Coordinator:
         on in the next incarnation)."""
         self.log.close(self.clock(), ended)
         self.journal.close()
-
-
-def _part(plan: TransitionPlan, step_ids: frozenset[int]) -> TransitionPlan:
-    """The plan's steps in ``step_ids``, in order (a failed plan's part that stands)."""
-    return replace(plan, steps=tuple(s for s in plan.steps if s.step_id in step_ids))
-
-
-def _number(allocation_id: str) -> int:
-    """The number of an elastic allocation id (``el0007`` -> 7); 0 for any other id."""
-    digits = allocation_id.removeprefix("el")
-    return int(digits) if allocation_id.startswith("el") and digits.isdigit() else 0
 
 
 def _same(a: ClusterState, b: ClusterState | None) -> bool:

@@ -33,7 +33,7 @@ from pearl.core.observation import (
     Event,
     WorkersLost,
 )
-from pearl.core.state import AllocationKind, AllocationStatus, ClusterState
+from pearl.core.state import AllocationKind, AllocationStatus, ClusterState, EndReason
 
 LEFT = frozenset({"dead", "gone"})
 
@@ -166,6 +166,6 @@ class GrantGate:
                 del self._held[aid]
             elif now_s - h.since_s > self.join_timeout_s:
                 give_up.append(aid)
-                out.append(AllocationEnded(allocation_id=aid, reason="no agent"))
+                out.append(AllocationEnded(allocation_id=aid, reason=EndReason.NO_AGENT))
                 del self._held[aid]
         return out, give_up

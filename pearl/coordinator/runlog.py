@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pearl.coordinator.control_plane import PlanOutcome
 from pearl.core.decision import BorrowKind, Decision
+from pearl.core.execution import PlanOutcome
 from pearl.core.observation import AllocationGranted
 from pearl.core.plan import TransitionPlan
 from pearl.core.state import AllocationStatus, ClusterState

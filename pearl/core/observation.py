@@ -19,6 +19,7 @@ from pearl.core.state import (
     AllocationKind,
     AllocationStatus,
     ClusterState,
+    EndReason,
     Frozen,
     Gpu,
     Id,
@@ -49,7 +50,7 @@ class AllocationPreempting(Frozen):
 class AllocationEnded(Frozen):
     kind: Literal["allocation_ended"] = "allocation_ended"
     allocation_id: Id
-    reason: str = ""
+    reason: EndReason
 
 
 class AllocationPending(Frozen):
@@ -142,15 +143,17 @@ def observe(state: ClusterState, obs: Observation, now_s: float) -> ClusterState
     )
 
 
-def _end_reason(old: Allocation, ev: AllocationEnded) -> str:
+def _end_reason(old: Allocation, ev: AllocationEnded) -> EndReason:
     """A preempted job that leaves within its grace period ends "completed" in Slurm: an
     end during a preemption is the preemption's, unless it was released or ran out."""
     if old.status is AllocationStatus.PREEMPTING and ev.reason not in OWN_END_REASONS:
-        return "preempted"
+        return EndReason.PREEMPTED
     return ev.reason
 
 
-OWN_END_REASONS = frozenset({"released", "timeout", "node_fail", "preempted"})
+OWN_END_REASONS = frozenset(
+    {EndReason.RELEASED, EndReason.TIMEOUT, EndReason.NODE_FAIL, EndReason.PREEMPTED}
+)
 
 
 def _granted(ev: AllocationGranted, old: Allocation | None, now_s: float) -> Allocation:

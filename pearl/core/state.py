@@ -19,7 +19,7 @@ from enum import StrEnum
 from functools import cached_property
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pearl.core.roles import (
     LIVE_PHASES,
@@ -86,6 +86,21 @@ class AllocationStatus(StrEnum):
     ENDED = "ended"  # gone (preempted, time limit, released)
 
 
+class EndReason(StrEnum):
+    """Why an allocation ended: one vocabulary for the simulator, the Slurm shell and the
+    coordinator (``AllocationEnded.reason``, ``Allocation.end_reason``, the run log)."""
+
+    PREEMPTED = "preempted"  # the owner took the GPUs back (Slurm preemption, a window's end)
+    RELEASED = "released"  # pearl gave them back
+    TIMEOUT = "timeout"  # the time limit (or deadline) ran out
+    NODE_FAIL = "node_fail"  # a node failed, or did not boot
+    CANCELLED = "cancelled"  # someone else cancelled the job
+    COMPLETED = "completed"  # the job ended by itself
+    FAILED = "failed"  # non-zero exit, out of memory, ...
+    LOST = "lost"  # the scheduler no longer knows the job (found missing after a restart)
+    NO_AGENT = "no agent"  # granted, but no node agent joined in time: given back
+
+
 class Allocation(Frozen):
     allocation_id: Id = Field(description="Slurm job id (or local id).")
     kind: AllocationKind = Field(description="base or elastic.")
@@ -97,7 +112,12 @@ class Allocation(Frozen):
     end_by_s: NonNegFloat | None = Field(
         None, description="Time the GPUs must be free: preemption deadline or time limit."
     )
-    end_reason: str = Field("", description="Why it ended (preempted, released, timeout, ...).")
+    end_reason: EndReason | None = Field(None, description="Why it ended; None while it lives.")
+
+    @field_validator("end_reason", mode="before")
+    @classmethod
+    def _no_reason(cls, value: object) -> object:
+        return None if value == "" else value  # journals written before EndReason: ""
 
 
 class BorrowWindow(Frozen):

@@ -111,7 +111,7 @@ def state_records(
             )
         for gid in sorted(old_gpus.keys() - new_gpus.keys()):
             alloc = after.allocation_by_id.get(old_gpus[gid].allocation_id)
-            reason = (alloc.end_reason or alloc.status.value) if alloc is not None else "gone"
+            reason = (alloc.end_reason or alloc.status).value if alloc is not None else "gone"
             out.append(GpuRemoved.model_construct(t=t, gpu_id=gid, reason=reason))
     if before is None or before.workers is not after.workers:
         new_workers = after.worker_by_id
@@ -132,7 +132,7 @@ def state_records(
                         status=a.status.value,
                         gpu_type=a.gpu_type or "",
                         num_gpus=a.num_gpus,
-                        reason=a.end_reason,
+                        reason=a.end_reason.value if a.end_reason else "",
                     )
                 )
     return out

@@ -20,11 +20,12 @@ from pearl.core.observation import (
     Event,
     GrantedNode,
 )
+from pearl.core.state import EndReason
 from pearl.runlog.schema import AllocationChanged, Record
 from pearl.sim.availability import GPUS_PER_NODE
 from pearl.sim.metrics import GpuClock
-from pearl.sim.slurm import Job, SlurmEvent, SlurmModel
-from pearl.sim.timeline import P_DECIDE, P_SLURM, Follow
+from pearl.sim.slurm import Job, SlurmModel
+from pearl.sim.timeline import Decide, Eligible, Follow, SlurmChange
 
 TakeOff = Callable[[set[str], float], Follow]
 Status = Literal["requested", "granted", "preempting", "ended", "released"]
@@ -38,7 +39,6 @@ class ElasticAllocations:
         self.clock = GpuClock()  # elastic GPUs held
         self.dead_nodes: set[str] = set()  # nodes reclaimed or released, not granted since
         self._events: list[Event] = []
-        self._num_requests = 0
 
     def take_events(self) -> tuple[Event, ...]:
         """What happened since the last decision, for its observation."""
@@ -49,19 +49,18 @@ class ElasticAllocations:
         return [t for t in self.slurm.wakeups() if t < duration_s]
 
     def on_eligible(self, now_s: float) -> Follow:
-        return [(ev.time_s, ("slurm", ev), P_SLURM) for ev in self.slurm.schedule(now_s)]
+        return [(ev.time_s, SlurmChange(ev)) for ev in self.slurm.schedule(now_s)]
 
-    def request(self, gpu_type: str, num_gpus: int, now_s: float) -> Follow:
-        self._num_requests += 1
-        aid = f"el{self._num_requests:04d}"
+    def request(self, aid: str, gpu_type: str, num_gpus: int, now_s: float) -> Follow:
         eligible_s = self.slurm.submit(now_s, aid, gpu_type, num_gpus)
         self._events.append(
             AllocationPending(allocation_id=aid, gpu_type=gpu_type, num_gpus=num_gpus)
         )
         self._log(now_s, aid, "requested", gpu_type, num_gpus)
-        return [(eligible_s, ("eligible",), P_SLURM)]
+        return [(eligible_s, Eligible())]
 
-    def on_slurm(self, now_s: float, ev: SlurmEvent) -> Follow:
+    def on_slurm(self, change: SlurmChange, now_s: float) -> Follow:
+        ev = change.change
         if not self.slurm.apply(ev):
             return []  # released before its time came
         job = self.slurm.jobs[ev.allocation_id]
@@ -82,13 +81,14 @@ class ElasticAllocations:
             )
         else:
             self._events.append(
-                AllocationEnded(allocation_id=job.allocation_id, reason="reclaimed")
+                AllocationEnded(allocation_id=job.allocation_id, reason=EndReason.PREEMPTED)
             )
             self.clock.add(now_s, -_gpus(job))
             out += self._kill(job, now_s)
             out += self.on_eligible(now_s)
-        self._log(now_s, job.allocation_id, ev.kind, job.gpu_type, job.num_gpus)
-        out.append((now_s, ("decide", f"allocation {ev.kind}"), P_DECIDE))
+        reason = EndReason.PREEMPTED if ev.kind == "ended" else ""
+        self._log(now_s, job.allocation_id, ev.kind, job.gpu_type, job.num_gpus, reason)
+        out.append((now_s, Decide(f"allocation {ev.kind}")))
         return out
 
     def release(self, allocation_id: str, now_s: float) -> Follow:
@@ -99,8 +99,8 @@ class ElasticAllocations:
             self.clock.add(now_s, -_gpus(job))
         out = self._kill(job, now_s)
         self.slurm.release(allocation_id)
-        self._events.append(AllocationEnded(allocation_id=allocation_id, reason="released"))
-        self._log(now_s, allocation_id, "released", job.gpu_type, job.num_gpus, "policy")
+        self._events.append(AllocationEnded(allocation_id=allocation_id, reason=EndReason.RELEASED))
+        self._log(now_s, allocation_id, "released", job.gpu_type, job.num_gpus, EndReason.RELEASED)
         return out + self.on_eligible(now_s)
 
     def _kill(self, job: Job, now_s: float) -> Follow:

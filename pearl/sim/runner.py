@@ -40,11 +40,14 @@ from typing import Any
 import numpy as np
 
 from pearl.core.decide import decide
+from pearl.core.decision import ElasticRequest
+from pearl.core.execution import AllocationIds, Executor, PlanEnd, PlanOutcome
 from pearl.core.observation import (
     Observation,
     TrainerPhase,
     TrainerStatus,
 )
+from pearl.core.plan import TransitionPlan
 from pearl.core.profile import RuntimeProfile
 from pearl.core.roles import GpuSource
 from pearl.core.state import ClusterState
@@ -72,12 +75,25 @@ from pearl.sim.rollout import Rollout, Trajectory
 from pearl.sim.scenario import Scenario
 from pearl.sim.slurm import SlurmModel
 from pearl.sim.states import initial_state, synced
-from pearl.sim.timeline import P_ARRIVE, P_DECIDE, P_SLURM, P_STEP, P_TRAIN, Follow
+from pearl.sim.timeline import (
+    Arrive,
+    Decide,
+    Eligible,
+    Follow,
+    Kick,
+    PlanStepEnds,
+    PlanStepStarts,
+    SimEvent,
+    SlurmChange,
+    StartTrajectories,
+    StepEnds,
+    TrainDone,
+    Unpark,
+)
 from pearl.sim.trajectories import TrajectoryModel, means, turns_left_table
 
 Sink = Callable[[Record], None]
-# Events that may take an instance off, pause it or change its weights.
-_CONTROL_EVENTS = frozenset({"plan", "train_done", "slurm", "decide"})
+Scheduled = list[tuple[float, SimEvent, int]]
 
 
 @dataclass(frozen=True)
@@ -120,7 +136,7 @@ class Simulation:
             rng=np.random.default_rng(np.random.SeedSequence(inputs.seed).spawn(2)[1]),
         )
         self.elastic = ElasticAllocations(slurm, self.take_off_nodes, self.log)
-        self.loop: EventLoop[tuple[Any, ...]] = EventLoop()
+        self.loop: EventLoop[SimEvent] = EventLoop()
         self.fleet = Fleet(self.profile)
         self.state: ClusterState = initial_state(sc)
         self.logged_state: ClusterState | None = None
@@ -132,7 +148,9 @@ class Simulation:
         self.training = False
         self.next_batch = 0
         self.needs_since_s: float | None = None
+        self.executor = Executor(self, AllocationIds())
         self.plan: PlanExecution | None = None
+        self._effects: Follow = []  # follow-ups of the executor's calls of this world
         self.decide_after_plan = False
         self.next_decision_s = 0.0
         self.control_times: list[float] = []  # heap: see horizon_s
@@ -143,17 +161,18 @@ class Simulation:
         self.decisions = 0
         self.ledger = PredictionLedger()
         self.borrows = BorrowJournal()
-        self.handlers: dict[str, Callable[..., Follow]] = {
-            "begin": self._start_trajectories,
-            "step": self._on_step,
-            "arrive": self._on_arrive,
-            "kick": self._on_kick,
-            "unpark": self.unpark,
-            "slurm": self.elastic.on_slurm,
-            "eligible": self.elastic.on_eligible,
-            "plan": self._on_plan,
-            "train_done": self._on_train_done,
-            "decide": self._on_decide,
+        self.handlers: dict[type[SimEvent], Callable[[Any, float], Follow]] = {
+            StartTrajectories: lambda _, now_s: self._start_trajectories(now_s),
+            StepEnds: self._on_step,
+            Arrive: self._on_arrive,
+            Kick: self._on_kick,
+            Unpark: lambda _, now_s: self.unpark(now_s),
+            SlurmChange: self.elastic.on_slurm,
+            Eligible: lambda _, now_s: self.elastic.on_eligible(now_s),
+            PlanStepStarts: self._on_plan_step_start,
+            PlanStepEnds: self._on_plan_step_end,
+            TrainDone: self._on_train_done,
+            Decide: self._on_decide,
         }
 
     # --- the run -----------------------------------------------------------------------
@@ -173,9 +192,9 @@ class Simulation:
             )
         )
         for t in self.elastic.retry_times(self.duration_s):
-            self.loop.schedule(t, ("eligible",), P_SLURM)
-        self.loop.schedule(0.0, ("begin",), P_ARRIVE)
-        self.loop.schedule(0.0, ("decide", "start"), P_DECIDE)
+            self.loop.schedule(t, Eligible(), Eligible.PRIORITY)
+        self.loop.schedule(0.0, StartTrajectories(), StartTrajectories.PRIORITY)
+        self.loop.schedule(0.0, Decide("start"), Decide.PRIORITY)
         step_s = self.duration_s / 100
         t = 0.0
         while t < self.duration_s:
@@ -186,12 +205,12 @@ class Simulation:
         self.log(RunEnded.model_construct(t=self.duration_s, reason="duration reached"))
         return self._metrics()
 
-    def _handle(self, event: tuple[Any, ...], now_s: float) -> Follow:
-        out = self.handlers[event[0]](now_s, *event[1:])
-        for time_s, ev, _ in out:
-            if ev[0] in _CONTROL_EVENTS:
+    def _handle(self, event: SimEvent, now_s: float) -> Scheduled:
+        out = self.handlers[type(event)](event, now_s)
+        for time_s, ev in out:
+            if ev.CONTROL:
                 heapq.heappush(self.control_times, time_s)
-        return out
+        return [(time_s, ev, ev.PRIORITY) for time_s, ev in out]
 
     def horizon_s(self, now_s: float) -> float:
         """The next time anything may take an instance off, pause it or change its
@@ -220,14 +239,16 @@ class Simulation:
         end_s = self.fleet.start_step(inst, now_s, self.horizon_s(now_s))
         if end_s is None:
             return []
-        return [(end_s, ("step", inst), P_STEP)]
+        return [(end_s, StepEnds(inst))]
 
-    def _on_kick(self, now_s: float, inst: Instance) -> Follow:
+    def _on_kick(self, ev: Kick, now_s: float) -> Follow:
+        inst = ev.instance
         if self.fleet.instances.get(inst.worker_id) is not inst:
             return []
         return self._kick(inst, now_s)
 
-    def _on_step(self, now_s: float, inst: Instance) -> Follow:
+    def _on_step(self, ev: StepEnds, now_s: float) -> Follow:
+        inst = ev.instance
         if self.fleet.instances.get(inst.worker_id) is not inst or inst.busy_until_s != now_s:
             return []  # the instance was removed mid-step
         return self._step_outcome(inst) + self._kick(inst, now_s)
@@ -274,7 +295,7 @@ class Simulation:
             h.kv_tokens, self.profile, src.gpu_type, src.node == dst.node, tp
         )
         self.fleet.expect(dst, req.request_id, arrive_s)
-        return [(max(arrive_s, self.loop.now_s), ("arrive", req, dst), P_ARRIVE)]
+        return [(max(arrive_s, self.loop.now_s), Arrive(req, dst))]
 
     def _turn_done(self, traj: Trajectory, at_s: float, version: int) -> Follow:
         at_s = max(at_s, self.loop.now_s)
@@ -312,9 +333,12 @@ class Simulation:
         inst = self.fleet.route(req)
         if inst is not None:
             self.fleet.expect(inst, req.request_id, at_s)
-        return [(max(at_s, self.loop.now_s), ("arrive", req, inst), P_ARRIVE)]
+        return [(max(at_s, self.loop.now_s), Arrive(req, inst))]
 
-    def _on_arrive(self, now_s: float, req: Request, inst: Instance | None) -> Follow:
+    def _on_arrive(self, ev: Arrive, now_s: float) -> Follow:
+        return self._arrive(ev.request, ev.instance, now_s)
+
+    def _arrive(self, req: Request, inst: Instance | None, now_s: float) -> Follow:
         traj = self.rollout.in_flight[req.traj_id]
         if inst is not None:
             self.fleet.arrive(inst)
@@ -342,7 +366,7 @@ class Simulation:
         parked, self.fleet.parked = self.fleet.parked, []
         out: Follow = []
         for req in parked:
-            out += self._on_arrive(now_s, req, None)
+            out += self._arrive(req, None, now_s)
         return out
 
     # --- trajectories and the trainer ----------------------------------------------------
@@ -363,7 +387,7 @@ class Simulation:
         if self.trainer_present < self.trainer_gpus:
             if self.needs_since_s is None:
                 self.needs_since_s = now_s
-                return [(now_s, ("decide", "trainer needs its GPUs"), P_DECIDE)]
+                return [(now_s, Decide("trainer needs its GPUs"))]
             return []
         waited_s = 0.0 if self.needs_since_s is None else now_s - self.needs_since_s
         self.max_wait_s = max(self.max_wait_s, waited_s)
@@ -371,11 +395,12 @@ class Simulation:
         self.needs_since_s = None
         self.training = True
         return [
-            (now_s + self.train_step_s, ("train_done", now_s, waited_s), P_TRAIN),
-            (now_s, ("decide", "trainer started an update"), P_DECIDE),
+            (now_s + self.train_step_s, TrainDone(now_s, waited_s)),
+            (now_s, Decide("trainer started an update")),
         ]
 
-    def _on_train_done(self, now_s: float, started_s: float, waited_s: float) -> Follow:
+    def _on_train_done(self, ev: TrainDone, now_s: float) -> Follow:
+        started_s, waited_s = ev.started_s, ev.waited_s
         self.training = False
         self.log(
             TrainStep.model_construct(
@@ -397,10 +422,10 @@ class Simulation:
             for inst in self.fleet.instances.values():
                 inst.weights_version = self.version
                 inst.paused_until_s = max(pause_s, (inst.busy_until_s or now_s) + sync_s)
-                out.append((inst.paused_until_s, ("kick", inst), P_STEP))
+                out.append((inst.paused_until_s, Kick(inst)))
         out += self._start_trajectories(now_s)
         out += self._maybe_train(now_s)
-        out.append((now_s, ("decide", "trainer waiting"), P_DECIDE))
+        out.append((now_s, Decide("trainer waiting")))
         return out
 
     def trainer_gpus_changed(self, now_s: float, delta: int) -> Follow:
@@ -414,15 +439,15 @@ class Simulation:
 
     # --- decisions and plans -------------------------------------------------------------
 
-    def _on_decide(self, now_s: float, why: str) -> Follow:
+    def _on_decide(self, ev: Decide, now_s: float) -> Follow:
         out: Follow = []
-        if why == "tick" and now_s < self.next_decision_s:
+        if ev.why == "tick" and now_s < self.next_decision_s:
             return []
-        if self.plan is not None:
+        if self.executor.plan_running:
             self.decide_after_plan = True
             return []
         self.next_decision_s = now_s + self.inputs.decision_interval_s
-        out.append((self.next_decision_s, ("decide", "tick"), P_DECIDE))
+        out.append((self.next_decision_s, Decide("tick")))
         obs = Observation(
             events=self.elastic.take_events(),
             trainer=TrainerStatus(
@@ -446,31 +471,56 @@ class Simulation:
             borrow = self.borrows.record(now_s, decision)
             if borrow is not None:
                 self.log(borrow)
-        for req in decision.elastic.requests:
-            out += self.elastic.request(req.gpu_type, req.num_gpus, now_s)
-        releases = decision.elastic.releases
-        if not plan.empty:
-            self.transitions += 1
-            self.plan = PlanExecution(self, decision, now_s, releases)
-            out += self.plan.begin(now_s)
-        else:
-            for a in releases:
-                out += self.elastic.release(a, now_s)
-        return out
+        self.executor.carry_out(decision, now_s)  # a plan runs on: its last step ends it
+        return out + self._take_effects()
 
-    def _on_plan(self, now_s: float, what: str, index: int) -> Follow:
+    # --- the world of the core's executor (pearl.core.execution.World) -------------------
+
+    def submit(self, allocation_id: str, request: ElasticRequest, now_s: float) -> None:
+        self._effects += self.elastic.request(
+            allocation_id, request.gpu_type, request.num_gpus, now_s
+        )
+
+    def release(self, allocation_id: str, now_s: float) -> None:
+        self._effects += self.elastic.release(allocation_id, now_s)
+
+    def run_plan(self, plan: TransitionPlan, now_s: float) -> None:
+        self.transitions += 1
+        self.plan = PlanExecution(self, plan, now_s)
+        self._effects += self.plan.begin()  # the last step's end calls plan_ended
+
+    def adopt(self, end: PlanEnd, now_s: float) -> None:
+        state = end.state
+        if self.version > state.policy_version:  # an update finished during the plan
+            state = synced(state, self.version)
+        self.state = state
+        self.log_state(now_s)
+
+    def _take_effects(self) -> Follow:
+        effects, self._effects = self._effects, []
+        return effects
+
+    @property
+    def dead_nodes(self) -> set[str]:
+        return self.elastic.dead_nodes
+
+    def _on_plan_step_start(self, ev: PlanStepStarts, now_s: float) -> Follow:
         assert self.plan is not None
-        out = self.plan.on_event(now_s, what, index)
-        if self.plan.done:
-            self.state = self.plan.final_state
-            self.log_state(now_s)
-            for a in self.plan.releases:
-                out += self.elastic.release(a, now_s)
-            self.plan = None
-            out += self._maybe_train(now_s)
-            if self.decide_after_plan:
-                self.decide_after_plan = False
-                out.append((now_s, ("decide", "after plan"), P_DECIDE))
+        return self.plan.on_start(ev.index, now_s)
+
+    def _on_plan_step_end(self, ev: PlanStepEnds, now_s: float) -> Follow:
+        plan = self.plan
+        assert plan is not None
+        out = plan.on_end(ev.index, now_s)
+        if not plan.done:
+            return out
+        self.plan = None
+        self.executor.plan_ended(PlanOutcome.all_of(plan.plan), now_s)
+        out += self._take_effects()  # the releases that follow the plan
+        out += self._maybe_train(now_s)
+        if self.decide_after_plan:
+            self.decide_after_plan = False
+            out.append((now_s, Decide("after plan")))
         return out
 
     def _version_soon(self) -> int:

@@ -1,15 +1,117 @@
-"""Event priorities of a simulated run and the shape of a handler's follow-up events.
+"""The events of a simulated run: small frozen dataclasses, each with its priority.
 
-At equal times events run by priority, lowest first: work finishes before it is
-observed, and decisions come last, so a decision sees everything that happened at its
-time. A follow-up is ``(time_s, event, priority)``; an event is a tuple whose first item
-names its handler.
+A handler gets its event and the time and returns its follow-ups, ``(time_s, event)``
+pairs (``Follow``); the runner finds the handler by the event's type. At equal times events
+run by priority, lowest first: work finishes before it is observed, and decisions come
+last, so a decision sees everything that happened at its time. ``CONTROL`` events may take
+an instance off, pause it or change its weights: an engine step in flight never runs past
+the next of them (``Simulation.horizon_s``).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import ClassVar
+
+from pearl.sim.engine import Request
+from pearl.sim.fleet import Instance
+from pearl.sim.slurm import SlurmEvent
 
 P_STEP, P_ARRIVE, P_SLURM, P_PLAN, P_TRAIN, P_DECIDE = range(6)
 
-Follow = list[tuple[float, tuple[Any, ...], int]]
+
+@dataclass(frozen=True, slots=True, eq=False)
+class SimEvent:
+    PRIORITY: ClassVar[int]
+    CONTROL: ClassVar[bool] = False
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class StartTrajectories(SimEvent):
+    """Start every trajectory the staleness bound admits now."""
+
+    PRIORITY = P_ARRIVE
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class StepEnds(SimEvent):
+    """An instance's engine step in flight ends."""
+
+    PRIORITY = P_STEP
+    instance: Instance
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Kick(SimEvent):
+    """An instance may start its next engine step (after a pause)."""
+
+    PRIORITY = P_STEP
+    instance: Instance
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Arrive(SimEvent):
+    """A turn (or what is left of it) reaches its instance, or needs one (None)."""
+
+    PRIORITY = P_ARRIVE
+    request: Request
+    instance: Instance | None
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Unpark(SimEvent):
+    """Instances joined: the turns parked for want of one are routed again."""
+
+    PRIORITY = P_TRAIN
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class SlurmChange(SimEvent):
+    """Slurm grants, warns (preempting) or ends an elastic allocation."""
+
+    PRIORITY = P_SLURM
+    CONTROL = True
+    change: SlurmEvent
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Eligible(SimEvent):
+    """Capacity may have appeared: pending requests are scheduled again."""
+
+    PRIORITY = P_SLURM
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class PlanStepStarts(SimEvent):
+    PRIORITY = P_PLAN
+    CONTROL = True
+    index: int
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class PlanStepEnds(SimEvent):
+    PRIORITY = P_PLAN
+    CONTROL = True
+    index: int
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class TrainDone(SimEvent):
+    """The trainer's update ends."""
+
+    PRIORITY = P_TRAIN
+    CONTROL = True
+    started_s: float
+    waited_s: float
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Decide(SimEvent):
+    """A decision is due (``why``: ``tick`` every decision interval, or what changed)."""
+
+    PRIORITY = P_DECIDE
+    CONTROL = True
+    why: str
+
+
+Follow = list[tuple[float, SimEvent]]

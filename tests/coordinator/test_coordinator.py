@@ -157,7 +157,7 @@ def test_allocation_ids_are_never_reused_across_restarts(tmp_path: Path) -> None
     profile = load_profile(config.profile)
 
     def coordinator(clock_s: float) -> Coordinator:
-        return Coordinator(
+        return Coordinator.open(
             config,
             profile,
             run_dir,
@@ -176,4 +176,63 @@ def test_allocation_ids_are_never_reused_across_restarts(tmp_path: Path) -> None
     text = (run_dir / "journal.jsonl").read_text()
     assert text.count('"id":"el0001","action":"submit"') == 1
     assert '"id":"el0002","action":"submit"' in text
+    _kill_local_jobs(run_dir / "jobs")
+
+
+def test_a_decision_is_carried_out_requests_plan_releases(tmp_path: Path) -> None:
+    """The coordinator as the core executor's world (pearl.core.execution): a decision
+    with requests, a plan and releases is journalled in that order, the releases after the
+    plan's end (here without agents: the plan is not executed, and says so)."""
+    from dataclasses import replace
+
+    from pearl.cluster.local_backend import LocalBackend
+    from pearl.coordinator.config import load_config
+    from pearl.coordinator.loop import Coordinator, workload_file
+    from pearl.core.config import SwitchingConfig
+    from pearl.core.decide import decide
+    from pearl.core.decision import ElasticAction, ElasticRequest
+    from pearl.core.observation import Observation
+    from pearl.io.documents import load_profile
+
+    config, run_dir = load_config(_config(tmp_path))
+    coordinator = Coordinator.open(
+        config,
+        load_profile(config.profile),
+        run_dir,
+        LocalBackend(run_dir / "jobs"),
+        clock=lambda: 1.0,
+        workload=workload_file(run_dir / "workload.json"),
+    )
+    try:
+        coordinator.tick()  # asks for el0001
+        cfg = config.policy.model_copy(update={"switching": SwitchingConfig(rule="always")})
+        obs = Observation(workload=coordinator.workload())
+        d = decide(coordinator.state, obs, cfg, coordinator.profile, 2.0)
+        assert not d.plan.empty  # it starts engines
+        request = ElasticRequest(
+            num_gpus=8, gpu_type="h800", partition="elastic", time_limit_min=60
+        )
+        crafted = replace(d, elastic=ElasticAction(requests=(request,), releases=("el0001",)))
+        before = replay(run_dir / "journal.jsonl").num_records
+        coordinator.executor.carry_out(crafted, 2.0)
+    finally:
+        coordinator.close()
+    records = [json.loads(line) for line in (run_dir / "journal.jsonl").read_text().splitlines()]
+    acts = [
+        (r["kind"], r["data"]["id"].split("-")[0], r["data"].get("action"))
+        for r in records[before:]
+        if r["kind"] in ("intent", "done")
+    ]
+    assert acts == [
+        ("intent", "el0002", "submit"),  # the tick's own request was el0001
+        ("done", "el0002", None),
+        ("intent", "plan", "plan"),
+        ("done", "plan", None),
+        ("intent", "release", "release"),
+        ("done", "release", None),
+    ]
+    plan_done = next(
+        r for r in records[before:] if r["kind"] == "done" and "plan" in r["data"]["id"]
+    )
+    assert plan_done["data"] == {**plan_done["data"], "ok": False, "error": "no control plane"}
     _kill_local_jobs(run_dir / "jobs")

@@ -10,6 +10,7 @@ from pearl.sim.baselines import RUN_POLICIES, make_policy
 from pearl.sim.kv_cache import BLOCK_TOKENS
 from pearl.sim.rollout import trajectory_stream
 from pearl.sim.runner import RunInputs, Simulation, simulate, trajectory_rng
+from pearl.sim.timeline import Arrive
 
 # --- closed form -------------------------------------------------------------------------
 
@@ -150,8 +151,8 @@ def _somewhere(sim: Simulation) -> dict[str, list[str]]:
     for req in sim.fleet.parked:
         places.setdefault(req.traj_id, []).append("parked")
     for item in sim.loop._heap:
-        if item.event[0] == "arrive":
-            places.setdefault(item.event[1].traj_id, []).append(f"arriving {item.time_s}")
+        if isinstance(item.event, Arrive):
+            places.setdefault(item.event.request.traj_id, []).append(f"arriving {item.time_s}")
     return places
 
 

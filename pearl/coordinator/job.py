@@ -1,0 +1,104 @@
+"""The coordinator job's wiring: one incarnation of ``pearl coordinator CONFIG``.
+
+``run_job`` loads the configuration and the profile, continues the run clock (seconds since
+the run first started, ``RUN_DIR/run.json``, so a requeued coordinator continues the same
+clock and journal), builds the allocation backend (``make_backend``: Slurm or local, each
+allocation running the node agent when agents are configured) and the control plane,
+opens the coordinator (``Coordinator.open``) and ticks until it is told to stop.
+
+SIGTERM or SIGUSR2 (Slurm's warning before preemption or the time limit) ends it after the
+current tick, leaving its elastic jobs to the next incarnation; reaching
+``max_runtime_s`` ends the run and releases them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from types import FrameType
+
+from pearl.cluster.agent_payload import AgentPayload
+from pearl.cluster.backend import AllocationBackend, AllocationConfigError
+from pearl.cluster.local_backend import LocalBackend
+from pearl.cluster.slurm_backend import SlurmBackend
+from pearl.coordinator.config import CoordinatorConfig, load_config
+from pearl.coordinator.control_plane import MpiControl
+from pearl.coordinator.loop import Coordinator, workload_file
+from pearl.io.documents import InputError, load_profile
+
+
+def run_start_s(run_dir: Path) -> float:
+    """Wall time at which the run first started (``RUN_DIR/run.json``, written once); the
+    Slurm job of every incarnation is added to its ``slurm_job_ids`` (for accounting)."""
+    path = run_dir / "run.json"
+    doc = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+    doc.setdefault("started_at_unix_s", time.time())
+    job_id = os.environ.get("SLURM_JOB_ID")
+    ids = doc.setdefault("slurm_job_ids", [])
+    if job_id and job_id not in ids:
+        ids.append(job_id)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc) + "\n", encoding="utf-8")
+    os.replace(tmp, path)  # atomic: a reader sees the old or the new document
+    return float(doc["started_at_unix_s"])
+
+
+def make_backend(config: CoordinatorConfig, run_dir: Path) -> AllocationBackend:
+    a = config.agents
+    payload = None
+    if a is not None:
+        gpu_type = config.policy.elastic.gpu_type
+        payload = AgentPayload(str(run_dir), gpu_type, a.engines, a.null_workers, a.grace_s)
+    if config.backend == "local":
+        return LocalBackend(run_dir / "jobs", payload=payload)
+    return SlurmBackend(
+        config.run_id,
+        run_dir / "jobs",
+        dict(config.gpus_per_node),
+        config.poll_interval_s,
+        qos=config.qos,
+        payload=payload,
+    )
+
+
+def run_job(config_path: str, max_runtime_s: float | None = None) -> int:
+    """One incarnation of the coordinator of the run ``config_path`` describes."""
+    config, run_dir = load_config(config_path)
+    profile = load_profile(config.profile, relative_to=Path(config_path).parent)
+    start_s = run_start_s(run_dir)
+    backend = make_backend(config, run_dir)
+    stopping = {"signal": 0}
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stopping["signal"] = signum
+
+    for sig in (signal.SIGTERM, signal.SIGUSR2):
+        signal.signal(sig, on_signal)
+    control = MpiControl(run_dir) if config.agents is not None else None
+    coordinator = Coordinator.open(
+        config,
+        profile,
+        run_dir,
+        backend,
+        clock=lambda: time.time() - start_s,
+        workload=workload_file(run_dir / "workload.json"),
+        control=control,
+    )
+    ended: str | None = None  # a crash: the run may go on in a requeued incarnation
+    try:
+        coordinator.run(max_runtime_s, stop=lambda: bool(stopping["signal"]))
+        ended = None if stopping["signal"] else "max runtime reached"
+    except AllocationConfigError as err:  # Slurm refused a value of the configuration
+        ended = f"Slurm refused {err.field_name}"
+        raise InputError(config_path, err.field_name, err.detail) from None
+    finally:
+        coordinator.close(ended)
+        if control is not None:
+            control.close()
+    if not stopping["signal"]:
+        backend.close()  # a run that ended releases its allocations; a signalled one keeps them
+    return 0
