@@ -15,15 +15,14 @@ import signal
 import time
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
-from pearl.cluster.agent_payload import AgentPayload
-from pearl.cluster.backend import AllocationBackend, AllocationConfigError
-from pearl.cluster.local_backend import LocalBackend
-from pearl.cluster.slurm_backend import SlurmBackend
-from pearl.coordinator.config import CoordinatorConfig, load_config
-from pearl.coordinator.control_plane import MpiControl
-from pearl.coordinator.loop import Coordinator, workload_file
 from pearl.io.documents import InputError, load_profile
+from pearl.io.extras import require
+
+if TYPE_CHECKING:
+    from pearl.cluster.backend import AllocationBackend
+    from pearl.coordinator.config import CoordinatorConfig
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -51,6 +50,10 @@ def run_start_s(run_dir: Path) -> float:
 
 
 def make_backend(config: CoordinatorConfig, run_dir: Path) -> AllocationBackend:
+    from pearl.cluster.agent_payload import AgentPayload
+    from pearl.cluster.local_backend import LocalBackend
+    from pearl.cluster.slurm_backend import SlurmBackend
+
     a = config.agents
     payload = None
     if a is not None:
@@ -69,7 +72,15 @@ def make_backend(config: CoordinatorConfig, run_dir: Path) -> AllocationBackend:
 
 
 def run(args: argparse.Namespace) -> int:
+    require("submitit")  # both backends submit through it (the slurm extra)
+    from pearl.cluster.backend import AllocationConfigError
+    from pearl.coordinator.config import load_config
+    from pearl.coordinator.control_plane import MpiControl
+    from pearl.coordinator.loop import Coordinator, workload_file
+
     config, run_dir = load_config(args.config)
+    if config.agents is not None:
+        require("mpi4py")  # the control plane to the agents
     profile = load_profile(config.profile, relative_to=Path(args.config).parent)
     start_s = run_start_s(run_dir)
     backend = make_backend(config, run_dir)
