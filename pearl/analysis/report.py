@@ -25,6 +25,7 @@ from typing import Any
 
 from pearl.analysis.runs import RunAnalysis, analyze_log, find_run_logs
 from pearl.io.documents import InputError
+from pearl.io.extras import require
 
 SUMMARY_VERSION = 1
 MAX_TRANSITION_ROWS = 30
@@ -238,12 +239,9 @@ def draw_plots(
     runs: Sequence[RunAnalysis], rows: Sequence[dict[str, Any]], out: Path
 ) -> tuple[list[dict[str, Path]], dict[str, Path]]:
     """Every run's plots, and the comparison plots when there are several runs."""
-    try:
-        from pearl.analysis import plots as P
-    except ImportError as err:
-        raise InputError(
-            "<environment>", "matplotlib", f"{err}: pip install 'pearl[analysis]'"
-        ) from None
+    require("matplotlib")
+    from pearl.analysis import plots as P
+
     per_run: list[dict[str, Path]] = []
     for run in runs:
         stem = _slug(run.log.name)

@@ -8,6 +8,8 @@ import os
 import shlex
 import socket
 
+from pearl.io.extras import require
+
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("agent", help="run a node agent (inside an allocation)")
@@ -44,7 +46,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def run(args: argparse.Namespace) -> int:
-    # MPI is initialised only for this command
+    require("mpi4py")  # MPI is initialised only for this command (the slurm extra)
     from pearl.control.agent import Agent, parse_gpus
     from pearl.control.workers import NullWorkers, ProcessWorkers, Workers
 

@@ -8,6 +8,7 @@ import json
 from pearl.bench.decide import bench_decide
 from pearl.bench.simulator import bench_predictor, bench_sim
 from pearl.io.documents import InputError
+from pearl.io.extras import require
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -69,6 +70,7 @@ def _run_sim(args: argparse.Namespace) -> int:
 def _run_control(args: argparse.Namespace) -> int:
     if args.agents < 1 or args.repeats < 1:
         raise InputError("<command line>", "--agents/--repeats", "need >= 1")
+    require("mpi4py")
     from pearl.bench.control_latency import main  # initialises MPI in this process
 
     argv = ["--agents", str(args.agents), "--repeats", str(args.repeats)]
@@ -78,6 +80,7 @@ def _run_control(args: argparse.Namespace) -> int:
 def _run_analyze(args: argparse.Namespace) -> int:
     if args.events < 100:
         raise InputError("<command line>", "--events", "need >= 100")
-    from pearl.analysis.bench import bench_analyze  # draws with matplotlib (the analysis extra)
+    require("matplotlib")  # before writing the log: the report draws its plots
+    from pearl.analysis.bench import bench_analyze
 
     return _print(bench_analyze(args.events), args.json)

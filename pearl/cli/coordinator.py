@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from pearl.io.extras import require
+
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("coordinator", help="run the persistent coordinator of a run")
@@ -13,6 +15,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def run(args: argparse.Namespace) -> int:
-    from pearl.coordinator.job import run_job  # the slurm extra: submitit, mpi4py
+    require("submitit")  # both backends submit through it (the slurm extra)
+    from pearl.coordinator.job import run_job
 
     return run_job(args.config, args.max_runtime_s)

@@ -28,6 +28,7 @@ from pearl.coordinator.config import CoordinatorConfig, load_config
 from pearl.coordinator.control_plane import MpiControl
 from pearl.coordinator.loop import Coordinator, workload_file
 from pearl.io.documents import InputError, load_profile
+from pearl.io.extras import require
 
 
 def run_start_s(run_dir: Path) -> float:
@@ -68,6 +69,8 @@ def make_backend(config: CoordinatorConfig, run_dir: Path) -> AllocationBackend:
 def run_job(config_path: str, max_runtime_s: float | None = None) -> int:
     """One incarnation of the coordinator of the run ``config_path`` describes."""
     config, run_dir = load_config(config_path)
+    if config.agents is not None:
+        require("mpi4py")  # the control plane to the agents
     profile = load_profile(config.profile, relative_to=Path(config_path).parent)
     start_s = run_start_s(run_dir)
     backend = make_backend(config, run_dir)
