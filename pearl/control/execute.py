@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 
 from pearl.control.coordinator_side import CommandResult, ControlServer
-from pearl.control.messages import ABORT_DRAIN, Command
+from pearl.control.messages import Command, ControlAction
 from pearl.core.plan import Action, PlanStep, TransitionPlan
 
 DRAINING_ACTIONS = frozenset({Action.DRAIN, Action.MIGRATE})
@@ -92,10 +92,10 @@ def execute_plan(
             cmd = Command(
                 cmd_id=server.new_cmd_id(),
                 step_id=sid,
-                action=step.action.value,
+                action=step.action,
                 worker_id=step.worker_id,
                 gpu_ids=step.gpu_ids,
-                role=None if step.role is None else step.role.value,
+                role=step.role,
                 deadline_s=_deadline(step, deadline_factor, min_deadline_s),
             )
             batch.append((agent, cmd))
@@ -141,7 +141,7 @@ def _compensate(
         cmd = Command(
             cmd_id=server.new_cmd_id(),
             step_id=step.step_id,
-            action=ABORT_DRAIN,
+            action=ControlAction.ABORT_DRAIN,
             worker_id=worker,
             gpu_ids=step.gpu_ids,
             deadline_s=deadline_s,
