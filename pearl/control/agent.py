@@ -160,8 +160,8 @@ class Agent:
     def _loop(self, ch: Channel) -> int:
         hb_s, missed = 0.5, 6
         welcomed = False
-        last_seen = time.monotonic()
-        last_hb, seq = 0.0, 0
+        last_seen_s = time.monotonic()
+        last_hb_sent_s, seq = 0.0, 0
         while True:
             busy = False
             now = time.monotonic()
@@ -173,7 +173,7 @@ class Agent:
                 self._say(f"bad message: {e}")
                 msg = None
             if msg is not None:
-                busy, last_seen = True, now
+                busy, last_seen_s = True, now
                 if isinstance(msg, Welcome):
                     welcomed, hb_s, missed = True, msg.heartbeat_s, msg.missed_heartbeats
                 elif isinstance(msg, Command) and welcomed:
@@ -186,12 +186,12 @@ class Agent:
             while not self._acks.empty():
                 ch.send(self._acks.get())
                 busy = True
-            if welcomed and now - last_hb >= hb_s:
+            if welcomed and now - last_hb_sent_s >= hb_s:
                 ch.send(Heartbeat(seq=seq, t=time.time()))
-                last_hb, seq = now, seq + 1
+                last_hb_sent_s, seq = now, seq + 1
             ch.progress()
-            if ch.error or now - last_seen > hb_s * missed + (0 if welcomed else 10):
-                why = ch.error or f"no message from the coordinator for {now - last_seen:.1f} s"
+            if ch.error or now - last_seen_s > hb_s * missed + (0 if welcomed else 10):
+                why = ch.error or f"no message from the coordinator for {now - last_seen_s:.1f} s"
                 self._say(f"coordinator lost: {why}")
                 self.workers.stop_all(min(10.0, self.grace_s))
                 return EXIT_LOST

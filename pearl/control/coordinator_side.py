@@ -16,6 +16,13 @@ Threads (MPI initialised with ``THREAD_MULTIPLE``):
 
 One intercommunicator per agent; nothing collective is ever called on them, and a dead
 peer's communicator is dropped locally, so losing one allocation blocks no other.
+
+An agent is :class:`AgentState` ``alive`` from its ``Hello`` until it leaves (``gone``:
+its ``Bye``, e.g. after a preemption) or is dropped (``dead``: silent, a broken channel, a
+protocol error). A preemption is an event, not a state: the agent stays alive, and may
+still acknowledge commands, until its ``Bye``. A command comes back with a
+:class:`CommandStatus`. Attributes ending in ``_s`` are seconds: instants of this process's
+``time.monotonic()`` (never compared across hosts), or durations where the comment says so.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +62,22 @@ log = logging.getLogger(__name__)
 HELLO_TIMEOUT_S = 5.0
 
 
+class AgentState(StrEnum):
+    ALIVE = "alive"  # said hello; commands go to it
+    GONE = "gone"  # said bye (after stopping its workers)
+    DEAD = "dead"  # dropped: no heartbeat, a broken channel or a protocol error
+
+
+class CommandStatus(StrEnum):
+    """What became of a command, and of the plan step it carries out."""
+
+    OK = "ok"  # acknowledged: done
+    FAILED = "failed"  # acknowledged with an error: the agent could not do it
+    TIMEOUT = "timeout"  # no ack within the command's deadline
+    LOST = "lost"  # its agent is gone, dead or unknown (or the node has none)
+    ABORTED = "aborted"  # a plan step never sent: a step it depends on did not succeed
+
+
 @dataclass
 class AgentInfo:
     agent_id: str
@@ -61,28 +85,28 @@ class AgentInfo:
     gpus: tuple[GpuInfo, ...]
     job_id: str | None
     pid: int
-    state: str = "alive"  # alive | preempted | gone | dead
+    state: AgentState = AgentState.ALIVE
     reason: str = ""
-    last_seen: float = 0.0
-    grace_s: float | None = None
+    last_seen_s: float = 0.0  # when its last message came
+    grace_s: float | None = None  # of its preemption (a duration)
     workers: tuple[str, ...] = ()  # the workers it reported when it joined
 
 
 @dataclass
 class _Conn:
     channel: Channel
-    opened: float
+    opened_s: float
     agent_id: str | None = None
     hb_seq: int = 0
-    last_hb_sent: float = 0.0
+    last_hb_sent_s: float = 0.0
 
 
 @dataclass
 class _Pending:
     agent_id: str
     cmd: Command
-    sent: float
-    deadline: float
+    sent_s: float
+    deadline_s: float  # when it times out: sent_s + cmd.deadline_s (a duration)
     ack: Ack | None = None
     failure: str | None = None
 
@@ -92,7 +116,7 @@ class CommandResult:
     cmd_id: str
     agent_id: str
     ok: bool
-    status: str  # ok | failed | timeout | lost
+    status: CommandStatus
     error: str | None
     elapsed_s: float
 
@@ -124,7 +148,7 @@ class ControlServer:
         self.agents: dict[str, AgentInfo] = {}
         self._pending: dict[str, _Pending] = {}
         self._events: list[tuple[str, str, str]] = []
-        self._accepting_since: float | None = None
+        self._accepting_since_s: float | None = None
         self._stop = threading.Event()
         self._ids = itertools.count()
         write_port_file(
@@ -146,24 +170,24 @@ class ControlServer:
 
     def alive_agents(self) -> dict[str, AgentInfo]:
         with self._lock:
-            return {a: i for a, i in self.agents.items() if i.state == "alive"}
+            return {a: i for a, i in self.agents.items() if i.state is AgentState.ALIVE}
 
     def agent_for_node(self, node: str) -> str | None:
         with self._lock:
             for a, i in self.agents.items():
-                if i.node == node and i.state == "alive":
+                if i.node == node and i.state is AgentState.ALIVE:
                     return a
         return None
 
     def wait_for_agents(self, n: int, timeout_s: float) -> dict[str, AgentInfo]:
         deadline = time.monotonic() + timeout_s
         with self._lock:
-            while sum(i.state == "alive" for i in self.agents.values()) < n:
+            while sum(i.state is AgentState.ALIVE for i in self.agents.values()) < n:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(f"{n} agents wanted, {len(self.alive_agents())} alive")
                 self._lock.wait(left)
-            return {a: i for a, i in self.agents.items() if i.state == "alive"}
+            return {a: i for a, i in self.agents.items() if i.state is AgentState.ALIVE}
 
     def events(self) -> list[tuple[str, str, str]]:
         """Agent events since the last call: (joined|preempted|gone|dead|refused, id, detail)."""
@@ -178,7 +202,7 @@ class ControlServer:
                 p = _Pending(agent_id, cmd, now, now + cmd.deadline_s)
                 self._pending[cmd.cmd_id] = p
                 info = self.agents.get(agent_id)
-                if info is None or info.state != "alive":
+                if info is None or info.state is not AgentState.ALIVE:
                     p.failure = f"agent {agent_id} is {info.state if info else 'unknown'}"
                 else:
                     self._outbox.put((agent_id, cmd))
@@ -209,7 +233,7 @@ class ControlServer:
         """Say Bye to live agents, stop the threads, close the port, remove the port file."""
         with self._lock:
             for a, i in self.agents.items():
-                if i.state == "alive":
+                if i.state is AgentState.ALIVE:
                     self._outbox.put((a, Bye(reason="coordinator closing")))
         time.sleep(min(0.2, self.heartbeat_s))
         self._stop.set()
@@ -227,15 +251,17 @@ class ControlServer:
         p = self._pending.get(cmd_id)
         if p is None:
             return None
-        elapsed = time.monotonic() - p.sent
+        elapsed = time.monotonic() - p.sent_s
         if p.ack is not None:
-            status = "ok" if p.ack.ok else "failed"
+            status = CommandStatus.OK if p.ack.ok else CommandStatus.FAILED
             return CommandResult(cmd_id, p.agent_id, p.ack.ok, status, p.ack.error, elapsed)
         if p.failure is not None:
-            return CommandResult(cmd_id, p.agent_id, False, "lost", p.failure, elapsed)
-        if time.monotonic() > p.deadline + self.heartbeat_s:  # small slack for the ack trip
+            lost = CommandStatus.LOST
+            return CommandResult(cmd_id, p.agent_id, False, lost, p.failure, elapsed)
+        if time.monotonic() > p.deadline_s + self.heartbeat_s:  # small slack for the ack trip
             msg = f"no ack within {p.cmd.deadline_s:.3g} s"
-            return CommandResult(cmd_id, p.agent_id, False, "timeout", msg, elapsed)
+            timeout = CommandStatus.TIMEOUT
+            return CommandResult(cmd_id, p.agent_id, False, timeout, msg, elapsed)
         return None
 
     def _accept_loop(self) -> None:
@@ -251,7 +277,7 @@ class ControlServer:
             watchdog = AcceptWatchdog(self.port, self.accept_timeout_s)
             try:
                 with self._lock:
-                    self._accepting_since = time.monotonic()
+                    self._accepting_since_s = time.monotonic()
                 self._knock.admit(k)
                 watchdog.start()
                 comm = self._mpi.COMM_SELF.Accept(self.port)
@@ -264,10 +290,10 @@ class ControlServer:
                 watchdog.cancel()
                 with self._lock:
                     # liveness clocks restart: nobody could talk while Accept was pending
-                    stalled = time.monotonic() - (self._accepting_since or time.monotonic())
-                    self._accepting_since = None
+                    stalled = time.monotonic() - (self._accepting_since_s or time.monotonic())
+                    self._accepting_since_s = None
                     for i in self.agents.values():
-                        i.last_seen += stalled
+                        i.last_seen_s += stalled
                 k.conn.close()
 
     def _io_loop(self) -> None:
@@ -309,7 +335,7 @@ class ControlServer:
             try:
                 msg = conn.channel.recv()
             except ProtocolError as e:
-                self._drop(conn, "dead", f"protocol error: {e}")
+                self._drop(conn, AgentState.DEAD, f"protocol error: {e}")
                 return True
             if msg is None:
                 break
@@ -319,25 +345,25 @@ class ControlServer:
                 return True
         conn.channel.progress()
         if conn.channel.error and not conn.channel.closed:
-            self._drop(conn, "dead", conn.channel.error)
-        elif conn.agent_id is None and time.monotonic() - conn.opened > HELLO_TIMEOUT_S:
-            self._drop(conn, "refused", "no hello")
+            self._drop(conn, AgentState.DEAD, conn.channel.error)
+        elif conn.agent_id is None and time.monotonic() - conn.opened_s > HELLO_TIMEOUT_S:
+            self._refuse(conn, "no hello")
         return got
 
     def _handle(self, conn: _Conn, msg: Any) -> None:
         now = time.monotonic()
         if conn.agent_id is None:
             if not isinstance(msg, Hello):
-                self._drop(conn, "refused", f"expected hello, got {msg.type}")
+                self._refuse(conn, f"expected hello, got {msg.type}")
             elif not hmac.compare_digest(msg.token.encode(), self._token.encode()):
                 conn.channel.send(Bye(reason="authentication failed: wrong token"))
-                self._drop(conn, "refused", f"{msg.agent_id}: wrong token", flush=True)
+                self._refuse(conn, f"{msg.agent_id}: wrong token", flush=True)
             else:
                 self._register(conn, msg, now)
             return
         with self._lock:
             info = self.agents[conn.agent_id]
-            info.last_seen = now
+            info.last_seen_s = now
             if isinstance(msg, Ack):
                 p = self._pending.get(msg.cmd_id)
                 if p is not None and p.ack is None:
@@ -347,7 +373,7 @@ class ControlServer:
                 info.grace_s = msg.grace_s
                 self._event("preempted", info.agent_id, f"grace {msg.grace_s} s")
             elif isinstance(msg, Bye):
-                self._drop(conn, "gone", msg.reason or "bye")
+                self._drop(conn, AgentState.GONE, msg.reason or "bye")
 
     def _register(self, conn: _Conn, hello: Hello, now: float) -> None:
         with self._lock:
@@ -364,7 +390,7 @@ class ControlServer:
                 hello.gpus,
                 hello.job_id,
                 hello.pid,
-                last_seen=now,
+                last_seen_s=now,
                 workers=hello.workers,
             )
             self._event("joined", hello.agent_id, f"{hello.node} gpus={len(hello.gpus)}")
@@ -376,18 +402,26 @@ class ControlServer:
             )
         )
 
-    def _drop(self, conn: _Conn, state: str, reason: str, flush: bool = False) -> None:
+    def _refuse(self, conn: _Conn, reason: str, flush: bool = False) -> None:
+        """Drop a connection that has not said a valid hello (event ``refused``)."""
         if flush:
             end = time.monotonic() + 0.2
             while not conn.channel.progress() and time.monotonic() < end:
                 time.sleep(0.001)
-        if state == "dead":
+        conn.channel.close()
+        with self._lock:
+            if conn in self._unauth:
+                self._unauth.remove(conn)
+                self._event("refused", "?", reason)
+
+    def _drop(self, conn: _Conn, state: AgentState, reason: str) -> None:
+        if state is AgentState.DEAD:
             conn.channel.error = conn.channel.error or reason
         conn.channel.close()
         with self._lock:
             if conn in self._unauth:
                 self._unauth.remove(conn)
-                self._event(state, "?", reason)
+                self._event(state.value, "?", reason)
                 return
             aid = conn.agent_id
             if aid is None or self._conns.get(aid) is not conn:
@@ -398,7 +432,7 @@ class ControlServer:
             for p in self._pending.values():
                 if p.agent_id == aid and p.ack is None and p.failure is None:
                     p.failure = f"agent {aid} {state}: {reason}"
-            self._event(state, aid, reason)
+            self._event(state.value, aid, reason)
             self._lock.notify_all()
 
     def _event(self, kind: str, agent_id: str, detail: str) -> None:
@@ -409,15 +443,15 @@ class ControlServer:
     def _heartbeats(self) -> None:
         now = time.monotonic()
         with self._lock:
-            stalled = self._accepting_since is not None
+            stalled = self._accepting_since_s is not None
         for aid, conn in list(self._conns.items()):
-            if now - conn.last_hb_sent >= self.heartbeat_s:
-                conn.last_hb_sent = now
+            if now - conn.last_hb_sent_s >= self.heartbeat_s:
+                conn.last_hb_sent_s = now
                 conn.channel.send(Heartbeat(seq=conn.hb_seq, t=time.time()))
                 conn.hb_seq += 1
             if stalled:
                 continue
             info = self.agents[aid]
-            late = now - info.last_seen
+            late = now - info.last_seen_s
             if late > self.heartbeat_s * self.missed_heartbeats:
-                self._drop(conn, "dead", f"no heartbeat for {late:.2f} s")
+                self._drop(conn, AgentState.DEAD, f"no heartbeat for {late:.2f} s")

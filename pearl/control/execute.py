@@ -17,8 +17,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from pearl.control.coordinator_side import CommandResult, ControlServer
-from pearl.control.messages import ABORT_DRAIN, Command
+from pearl.control.coordinator_side import CommandResult, CommandStatus, ControlServer
+from pearl.control.messages import Command, ControlAction
 from pearl.core.plan import Action, PlanStep, TransitionPlan
 
 DRAINING_ACTIONS = frozenset({Action.DRAIN, Action.MIGRATE})
@@ -27,7 +27,7 @@ DRAINING_ACTIONS = frozenset({Action.DRAIN, Action.MIGRATE})
 @dataclass(frozen=True)
 class PlanStepResult:
     step_id: int
-    status: str  # ok | failed | timeout | lost | aborted
+    status: CommandStatus
     agent_id: str | None
     error: str | None
     elapsed_s: float
@@ -42,14 +42,16 @@ class PlanResult:
 
     @property
     def ok(self) -> bool:
-        return all(r.status == "ok" for r in self.steps.values())
+        return all(r.status is CommandStatus.OK for r in self.steps.values())
 
     def carried_out(self) -> frozenset[int]:
         """The steps whose effect stands: acknowledged, less the drains undone by a
         successful ``abort_drain`` (the worker serves in its old role again)."""
-        undone = {c.step_id for c in self.compensations.values() if c.status == "ok"}
+        undone = {c.step_id for c in self.compensations.values() if c.status is CommandStatus.OK}
         return frozenset(
-            sid for sid, r in self.steps.items() if r.status == "ok" and sid not in undone
+            sid
+            for sid, r in self.steps.items()
+            if r.status is CommandStatus.OK and sid not in undone
         )
 
 
@@ -73,10 +75,15 @@ def execute_plan(
         batch: list[tuple[str, Command]] = []
         for sid, step in list(waiting.items()):
             deps = [result.steps.get(d) for d in step.depends_on]
-            if any(d is not None and d.status != "ok" for d in deps):
-                bad = next(d for d in deps if d is not None and d.status != "ok")
+            if any(d is not None and d.status is not CommandStatus.OK for d in deps):
+                bad = next(d for d in deps if d is not None and d.status is not CommandStatus.OK)
                 result.steps[sid] = PlanStepResult(
-                    sid, "aborted", None, f"dependency {bad.step_id} {bad.status}", 0.0, _since(t0)
+                    sid,
+                    CommandStatus.ABORTED,
+                    None,
+                    f"dependency {bad.step_id} {bad.status}",
+                    0.0,
+                    _since(t0),
                 )
                 del waiting[sid]
                 continue
@@ -86,16 +93,16 @@ def execute_plan(
             agent = server.agent_for_node(step.node)
             if agent is None:
                 result.steps[sid] = PlanStepResult(
-                    sid, "lost", None, f"no agent on {step.node}", 0.0, _since(t0)
+                    sid, CommandStatus.LOST, None, f"no agent on {step.node}", 0.0, _since(t0)
                 )
                 continue
             cmd = Command(
                 cmd_id=server.new_cmd_id(),
                 step_id=sid,
-                action=step.action.value,
+                action=step.action,
                 worker_id=step.worker_id,
                 gpu_ids=step.gpu_ids,
-                role=None if step.role is None else step.role.value,
+                role=step.role,
                 deadline_s=_deadline(step, deadline_factor, min_deadline_s),
             )
             batch.append((agent, cmd))
@@ -128,9 +135,9 @@ def _compensate(
     left_drained: dict[str, PlanStep] = {}
     for step in plan.steps:  # topological order: the last step on a worker wins
         r = result.steps.get(step.step_id)
-        if step.action in DRAINING_ACTIONS and r is not None and r.status == "ok":
+        if step.action in DRAINING_ACTIONS and r is not None and r.status is CommandStatus.OK:
             left_drained[step.worker_id] = step
-        elif r is not None and r.status == "ok":
+        elif r is not None and r.status is CommandStatus.OK:
             left_drained.pop(step.worker_id, None)
     cmds: dict[str, tuple[str, PlanStep]] = {}
     batch = []
@@ -141,7 +148,7 @@ def _compensate(
         cmd = Command(
             cmd_id=server.new_cmd_id(),
             step_id=step.step_id,
-            action=ABORT_DRAIN,
+            action=ControlAction.ABORT_DRAIN,
             worker_id=worker,
             gpu_ids=step.gpu_ids,
             deadline_s=deadline_s,

@@ -8,21 +8,71 @@ extra or mistyped field. Nothing received is ever unpickled or evaluated.
 
 Direction: ``Hello``, ``Ack``, ``Preempted`` go agent -> coordinator; ``Welcome``,
 ``Command`` coordinator -> agent; ``Heartbeat`` and ``Bye`` both ways.
+
+A command's ``action`` is a :class:`~pearl.core.plan.Action` (the core's own members, so
+the agent speaks the plan's vocabulary) or a :class:`ControlAction`, the few actions only
+the control plane sends: ``abort_drain``, the compensation of a drain whose role change
+was aborted (phase draining -> ready), is not a step any plan contains. A separate enum,
+rather than one enum repeating ``Action``'s members plus these, keeps a single list of
+plan actions (a new one needs no second edit here) and keeps the control plane's own
+actions out of the core, which does not know them. Its ``role`` is a
+:class:`~pearl.core.roles.Role`. On the wire both are their string values, as before; an
+unknown value is a :class:`ProtocolError` like any other bad field.
 """
 
 from __future__ import annotations
 
 import json
+from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+)
+from pydantic_core import PydanticCustomError
+
+from pearl.core.plan import Action
+from pearl.core.roles import Role
 
 PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 1 << 20  # a peer that sends more is broken or hostile
 
-# Actions an agent executes: those of pearl.core.plan.Action plus ABORT_DRAIN, the
-# compensation of a drain whose switch was aborted (phase draining -> ready).
-ABORT_DRAIN = "abort_drain"
+
+class ControlAction(StrEnum):
+    """Actions of the control plane that are no plan step."""
+
+    ABORT_DRAIN = "abort_drain"  # undo a drain whose role change was aborted: draining -> ready
+
+
+COMMAND_ACTIONS: tuple[Action | ControlAction, ...] = (*Action, *ControlAction)
+
+
+def _command_action(
+    value: Any, handler: ValidatorFunctionWrapHandler, info: ValidationInfo
+) -> Action | ControlAction:
+    """One line for an unknown action, not one per enum of the union."""
+    try:
+        action: Action | ControlAction = handler(value)
+    except ValidationError:
+        if info.mode != "json":
+            raise
+        names = ", ".join(a.value for a in COMMAND_ACTIONS)
+        raise PydanticCustomError(
+            "command_action",
+            "unknown action {action} (one of {names})",
+            {"action": repr(value), "names": names},
+        ) from None
+    return action
+
+
+CommandAction = Annotated[Action | ControlAction, WrapValidator(_command_action)]
 
 
 class ProtocolError(ValueError):
@@ -68,10 +118,10 @@ class Command(_Msg):
     type: Literal["command"] = "command"
     cmd_id: str = Field(min_length=1)
     step_id: int
-    action: str = Field(min_length=1)
+    action: CommandAction
     worker_id: str = Field(min_length=1)
     gpu_ids: tuple[str, ...] = ()
-    role: str | None = None
+    role: Role | None = None
     deadline_s: float = Field(gt=0)  # time budget from receipt
 
 

@@ -14,6 +14,21 @@ the process group, then SIGKILL; an engine also gets SIGTERM when its agent dies
 that manages its GPUs.
 :class:`NullWorkers` only records roles and phases; the control-plane benchmark and
 protocol tests use it.
+
+Both keep each worker's kind, role and phase in the core's vocabulary
+(:mod:`pearl.core.roles`), and every phase change goes through the core's one table
+(``check_phase_edge``, with ``check_role`` and ``check_role_change`` where the role
+changes), as ``pearl.core.apply`` does in the simulator: an illegal command raises
+``TransitionError`` before the worker is touched, and the agent acknowledges it as failed
+with that error. Per action (:func:`after`): drain, migrate: ready -> draining;
+abort_drain: draining -> ready; switch, wake, sleep, offload, onload (each needs a role):
+ready or draining -> switching (new role) -> ready; stop: -> stopping -> gone; start: a new
+worker, starting -> ready once healthy (a trainer if its role is ``train``, else an
+engine); sync_weights changes no phase. A command's changes are recorded once it has
+succeeded (a failed one leaves the worker's recorded role and phase as they were), except
+that a worker is ``starting`` while its start waits for ``/health`` and ``stopping`` while
+its process is stopped. A worker still starting cannot be drained or switched: the table
+has no such edge.
 """
 
 from __future__ import annotations
@@ -26,11 +41,21 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from pearl.control import pdeath
-from pearl.control.messages import ABORT_DRAIN, Command
+from pearl.control.messages import Command, ControlAction
+from pearl.core.plan import Action
+from pearl.core.roles import (
+    Phase,
+    Role,
+    TransitionError,
+    WorkerKind,
+    check_phase_edge,
+    check_role,
+    check_role_change,
+)
 
 RELOAD_WEIGHTS = b'{"method": "reload_weights"}'
 
@@ -45,47 +70,97 @@ class Workers(Protocol):
     def worker_ids(self) -> tuple[str, ...]: ...
 
 
-@dataclass
+ROLE_CHANGES = frozenset({Action.SWITCH, Action.WAKE, Action.SLEEP, Action.OFFLOAD, Action.ONLOAD})
+_SLEEPS = frozenset({Action.SLEEP, Action.OFFLOAD})
+
+
+@dataclass(frozen=True)
 class WorkerState:
-    role: str | None
-    phase: str = "ready"
+    """One worker as its agent knows it. ``role`` is None only for a worker that
+    :class:`NullWorkers` adopted from a command that names no role."""
+
+    kind: WorkerKind
+    role: Role | None
+    phase: Phase = Phase.READY
     asleep: bool = False
     weight_syncs: int = 0
 
 
+def moved(w: WorkerState, phase: Phase, role: Role | None = None) -> WorkerState:
+    """``w`` after one edge of the core's transition table (and a new role, if given);
+    ``TransitionError`` if the table does not allow it."""
+    new_role = w.role if role is None else role
+    check_phase_edge(w.phase, phase)
+    if new_role is not None:
+        check_role(w.kind, new_role)
+        if w.role is not None:
+            check_role_change(w.phase, phase, w.role, new_role)
+    return replace(w, phase=phase, role=new_role)
+
+
+def started(cmd: Command) -> WorkerState:
+    """The worker a start command creates, in ``starting`` (role ``idle`` if it names none)."""
+    role = cmd.role or Role.IDLE
+    kind = WorkerKind.TRAINER if role is Role.TRAIN else WorkerKind.ENGINE
+    return WorkerState(kind, role, Phase.STARTING, asleep=role is Role.IDLE)
+
+
+def after(w: WorkerState, cmd: Command) -> WorkerState:
+    """``w`` once ``cmd`` (any action but start) has succeeded, each phase change checked
+    against the core's table: ``TransitionError`` if one is illegal."""
+    a = cmd.action
+    if a in (Action.DRAIN, Action.MIGRATE):
+        return moved(w, Phase.DRAINING)
+    if a is ControlAction.ABORT_DRAIN:
+        return moved(w, Phase.READY)
+    if a in ROLE_CHANGES:
+        if cmd.role is None:
+            raise TransitionError(f"{a.value} of {cmd.worker_id} needs a role")
+        w = moved(w, Phase.SWITCHING, cmd.role)
+        return replace(moved(w, Phase.READY), asleep=a in _SLEEPS)
+    if a is Action.SYNC_WEIGHTS:
+        return replace(w, weight_syncs=w.weight_syncs + 1)
+    if a is Action.STOP:
+        return moved(moved(w, Phase.STOPPING), Phase.GONE)
+    raise WorkerError(f"action {a.value!r} is not supported here")
+
+
+def _already_runs(worker_id: str, w: WorkerState) -> TransitionError:
+    return TransitionError(f"{worker_id} already runs ({w.phase.value}): a start needs a new id")
+
+
 class NullWorkers:
-    """Bookkeeping only: every supported action succeeds at once."""
+    """Bookkeeping only: every action the transition table allows succeeds at once.
+
+    A worker it did not start (the benchmark's and the protocol tests' plans drive workers
+    that exist only in the plan) is adopted on its first command as a ready worker in the
+    command's role: a trainer for offload, onload or role ``train``, else an engine."""
 
     def __init__(self) -> None:
         self.workers: dict[str, WorkerState] = {}
 
     def execute(self, cmd: Command) -> None:
-        w = self.workers.setdefault(cmd.worker_id, WorkerState(cmd.role))
-        _apply(w, cmd)
-        if cmd.action == "stop":
-            del self.workers[cmd.worker_id]
+        wid = cmd.worker_id
+        w = self.workers.get(wid)
+        if cmd.action is Action.START:
+            if w is not None:
+                raise _already_runs(wid, w)
+            self.workers[wid] = moved(started(cmd), Phase.READY)
+            return
+        if w is None:
+            trainer = cmd.action in (Action.OFFLOAD, Action.ONLOAD) or cmd.role is Role.TRAIN
+            w = WorkerState(WorkerKind.TRAINER if trainer else WorkerKind.ENGINE, cmd.role)
+        w = after(w, cmd)
+        if w.phase is Phase.GONE:
+            self.workers.pop(wid, None)
+        else:
+            self.workers[wid] = w
 
     def stop_all(self, budget_s: float) -> None:
         self.workers.clear()
 
     def worker_ids(self) -> tuple[str, ...]:
         return tuple(self.workers)
-
-
-def _apply(w: WorkerState, cmd: Command) -> None:
-    a = cmd.action
-    if a in ("drain", "migrate"):
-        w.phase = "draining"
-    elif a == ABORT_DRAIN:
-        w.phase = "ready"
-    elif a in ("switch", "wake", "sleep", "start", "offload", "onload"):
-        w.role, w.phase, w.asleep = cmd.role, "ready", a in ("sleep", "offload")
-    elif a == "sync_weights":
-        w.weight_syncs += 1
-    elif a == "stop":
-        w.phase = "gone"
-    else:
-        raise WorkerError(f"action {a!r} is not supported by this agent")
 
 
 def free_port() -> int:
@@ -140,7 +215,7 @@ class ProcessWorkers:
 
     def execute(self, cmd: Command) -> None:
         end = time.monotonic() + cmd.deadline_s
-        if cmd.action == "start":
+        if cmd.action is Action.START:
             self._start(cmd, end)
             return
         p = self.procs.get(cmd.worker_id)
@@ -148,36 +223,40 @@ class ProcessWorkers:
             raise WorkerError(f"no worker {cmd.worker_id} on this node")
         if p.proc.poll() is not None:
             raise WorkerError(f"{cmd.worker_id} exited with {p.proc.returncode}")
+        new = after(p.state, cmd)  # checked before the worker is touched
 
         def left() -> float:
             return end - time.monotonic()
 
-        if cmd.action in ("sleep", "offload"):
+        a = cmd.action
+        if a in _SLEEPS:
             self._http(cmd.worker_id, "/sleep?level=1", "POST", left())
-        elif cmd.action in ("wake", "onload") or (cmd.action == "switch" and p.state.asleep):
+        elif a in (Action.WAKE, Action.ONLOAD) or (a is Action.SWITCH and p.state.asleep):
             self._http(cmd.worker_id, "/wake_up", "POST", left())
-        elif cmd.action == "sync_weights":
+        elif a is Action.SYNC_WEIGHTS:
             self._http(cmd.worker_id, "/collective_rpc", "POST", left(), RELOAD_WEIGHTS)
-        elif cmd.action == "drain":
+        elif a is Action.DRAIN:
             self._drain(cmd.worker_id, end)
-        elif cmd.action == "stop":
+        elif a is Action.STOP:
             self._stop(cmd.worker_id, left())
             return
-        _apply(p.state, cmd)
+        p.state = new
 
     def _start(self, cmd: Command, end: float) -> None:
-        if cmd.worker_id in self.procs:
-            raise WorkerError(f"worker {cmd.worker_id} already runs")
-        role = cmd.role or "idle"
-        argv = self.engine_commands.get(role) or self.engine_commands.get("*")
+        wid = cmd.worker_id
+        if wid in self.procs:
+            raise _already_runs(wid, self.procs[wid].state)
+        state = started(cmd)
+        role = cmd.role or Role.IDLE
+        argv = self.engine_commands.get(role.value) or self.engine_commands.get("*")
         if not argv:
-            raise WorkerError(f"no engine command configured for role {role!r}")
+            raise WorkerError(f"no engine command configured for role {role.value!r}")
         try:
             idx = [str(self.gpu_index[g]) for g in cmd.gpu_ids]
         except KeyError as e:
             raise WorkerError(f"GPU {e.args[0]} is not on this node") from None
         port = free_port()
-        args = [a.format(port=port, role=role, worker_id=cmd.worker_id) for a in argv]
+        args = [a.format(port=port, role=role.value, worker_id=wid) for a in argv]
         args = pdeath.command(args)  # the engine dies with the agent
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(idx)}
         out = (
@@ -192,17 +271,21 @@ class ProcessWorkers:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        self.procs[cmd.worker_id] = _Proc(proc, port, WorkerState(role, "starting"), out)
+        p = self.procs[wid] = _Proc(proc, port, state, out)
         while time.monotonic() < end:
+            if self.procs.get(wid) is not p:  # a stop came meanwhile (start cancelled)
+                raise WorkerError(f"{wid} stopped while starting")
             if proc.poll() is not None:
-                del self.procs[cmd.worker_id]
-                raise WorkerError(f"{cmd.worker_id} exited with {proc.returncode} on start")
-            if self.healthy(cmd.worker_id, timeout=0.5):
-                self.procs[cmd.worker_id].state = WorkerState(role, "ready", role == "idle")
+                self.procs.pop(wid, None)
+                p.state = moved(p.state, Phase.GONE)
+                raise WorkerError(f"{wid} exited with {proc.returncode} on start")
+            if self.healthy(wid, timeout=0.5):
+                p.state = moved(p.state, Phase.READY)
                 return
             time.sleep(0.05)
-        self._stop(cmd.worker_id, 2.0)
-        raise WorkerError(f"{cmd.worker_id} not healthy within {cmd.deadline_s} s")
+        if self.procs.get(wid) is p:
+            self._stop(wid, 2.0)
+        raise WorkerError(f"{wid} not healthy within {cmd.deadline_s} s")
 
     def _drain(self, worker_id: str, end: float) -> None:
         while True:
@@ -215,7 +298,9 @@ class ProcessWorkers:
             time.sleep(0.05)
 
     def _stop(self, worker_id: str, budget_s: float) -> None:
-        p = self.procs.pop(worker_id)
+        p = self.procs[worker_id]
+        p.state = moved(p.state, Phase.STOPPING)
+        del self.procs[worker_id]
         if p.proc.poll() is None:
             os.killpg(p.proc.pid, signal.SIGTERM)
             try:
@@ -223,6 +308,7 @@ class ProcessWorkers:
             except subprocess.TimeoutExpired:
                 os.killpg(p.proc.pid, signal.SIGKILL)
                 p.proc.wait()
+        p.state = moved(p.state, Phase.GONE)
 
     def stop_all(self, budget_s: float) -> None:
         end = time.monotonic() + budget_s

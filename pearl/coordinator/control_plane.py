@@ -25,13 +25,14 @@ class MpiControl:
         self.server = ControlServer(run_dir)
 
     def execute(self, plan: TransitionPlan) -> PlanOutcome:
+        from pearl.control.coordinator_side import CommandStatus
         from pearl.control.execute import execute_plan
 
         result = execute_plan(self.server, plan)
         steps = tuple(
             StepOutcome(
                 r.step_id,
-                r.status == "ok",
+                r.status is CommandStatus.OK,
                 r.error or "",
                 max(0.0, r.ended_s - r.elapsed_s),
                 r.ended_s,
@@ -62,7 +63,7 @@ class MpiControl:
                 "node": a.node,
                 "gpus": [g.id for g in a.gpus],
                 "job_id": a.job_id,
-                "state": a.state,
+                "state": a.state.value,
             }
             for a in self.server.agents_snapshot()
         ]

@@ -299,3 +299,51 @@ def test_failed_plan_aborts_its_drains(coord: Coordinator, tmp_path: Path) -> No
         assert res["compensations"]["w0"]["status"] == "ok"
     finally:
         stop_all(procs)
+
+
+def test_an_illegal_command_is_a_failed_step_and_the_agent_serves_on(
+    coord: Coordinator, tmp_path: Path
+) -> None:
+    """The agent checks every command against the core's transition table; one the table
+    refuses comes back as a failed ack with the error, and the agent keeps serving."""
+    procs = [start_agent(tmp_path, "a0", "n0", "--null-workers")]
+    try:
+        coord.call("wait", n=1)
+        start = {"action": "start", "worker_id": "w0", "node": "n0", "role": "decode"}
+        res = coord.call(
+            "execute",
+            steps=[
+                {"step_id": 0, **start},
+                {"step_id": 1, **start, "depends_on": [0]},  # the same worker again
+                {
+                    "step_id": 2,
+                    "action": "drain",
+                    "worker_id": "w0",
+                    "node": "n0",
+                    "depends_on": [0],
+                },
+                {
+                    "step_id": 3,
+                    "action": "switch",
+                    "worker_id": "w0",
+                    "node": "n0",
+                    "role": "prefill",
+                    "depends_on": [1, 2],
+                },
+            ],
+        )
+        assert [res["steps"][k]["status"] for k in "0123"] == ["ok", "failed", "ok", "aborted"]
+        assert res["steps"]["1"]["error"].startswith("TransitionError: w0 already runs")
+        assert res["compensations"]["w0"]["status"] == "ok"  # abort_drain: ready again
+        res = coord.call(
+            "execute",
+            steps=[
+                {"step_id": 0, "action": "onload", "worker_id": "w0", "node": "n0", "role": "train"}
+            ],
+        )
+        assert res["steps"]["0"]["status"] == "failed"
+        assert "engine workers cannot take role train" in res["steps"]["0"]["error"]
+        assert coord.call("execute", steps=_steps(["n0"], 4))["ok"]
+        assert coord.call("agents")["a0"]["state"] == "alive"
+    finally:
+        stop_all(procs)

@@ -9,9 +9,11 @@ import stat
 import pytest
 
 from pearl.control.messages import (
+    COMMAND_ACTIONS,
     Ack,
     Bye,
     Command,
+    ControlAction,
     GpuInfo,
     Heartbeat,
     Hello,
@@ -22,6 +24,8 @@ from pearl.control.messages import (
     encode,
 )
 from pearl.control.portfile import PortInfo, read_port_file, write_port_file
+from pearl.core.plan import Action
+from pearl.core.roles import Role
 
 ALL = [
     Hello(token="t", agent_id="a", node="n", gpus=(GpuInfo(id="n/0", type="h100"),)),
@@ -30,11 +34,14 @@ ALL = [
     Command(
         cmd_id="c1",
         step_id=4,
-        action="switch",
+        action=Action.SWITCH,
         worker_id="w",
         gpu_ids=("n/0",),
-        role="decode",
+        role=Role.DECODE,
         deadline_s=5.0,
+    ),
+    Command(
+        cmd_id="c2", step_id=4, action=ControlAction.ABORT_DRAIN, worker_id="w", deadline_s=5.0
     ),
     Ack(cmd_id="c1", ok=False, error="boom", elapsed_s=0.1),
     Preempted(grace_s=30.0, signal="SIGUSR2"),
@@ -65,13 +72,49 @@ def test_round_trip(msg: object) -> None:
             "'gpus.0.id'",
         ),
         (b"\xff\xfe", "not JSON"),
+        (
+            b'{"v": 1, "type": "command", "cmd_id": "c", "step_id": 0, "action": "explode",'
+            b' "worker_id": "w", "deadline_s": 1}',
+            "command field 'action': unknown action 'explode' (one of start, wake,",
+        ),
+        (
+            b'{"v": 1, "type": "command", "cmd_id": "c", "step_id": 0, "action": "DRAIN",'
+            b' "worker_id": "w", "deadline_s": 1}',
+            "unknown action 'DRAIN'",
+        ),
+        (
+            b'{"v": 1, "type": "command", "cmd_id": "c", "step_id": 0, "action": 3,'
+            b' "worker_id": "w", "deadline_s": 1}',
+            "unknown action 3",
+        ),
+        (
+            b'{"v": 1, "type": "command", "cmd_id": "c", "step_id": 0, "action": "switch",'
+            b' "worker_id": "w", "role": "boss", "deadline_s": 1}',
+            "command field 'role': Input should be 'train', 'colocated'",
+        ),
     ],
 )
 def test_malformed_messages_name_the_problem(raw: bytes, needle: str) -> None:
     with pytest.raises(ProtocolError, match=None) as e:
         decode(raw)
     assert needle in str(e.value)
+    assert "\n" not in str(e.value)  # one line
     assert isinstance(e.value, ValueError)
+
+
+@pytest.mark.parametrize("action", COMMAND_ACTIONS, ids=str)
+def test_actions_are_their_plain_strings_on_the_wire(action: Action | ControlAction) -> None:
+    """The plan's actions and the control plane's own, as the same strings as before."""
+    cmd = Command(cmd_id="c", step_id=0, action=action, worker_id="w", deadline_s=1.0)
+    assert json.loads(encode(cmd))["action"] == action.value
+    raw = encode(cmd).replace(b'"role":null', b'"role":"prefill"')
+    back = decode(raw)
+    assert back.action is action and back.role is Role.PREFILL
+
+
+def test_control_actions_are_no_plan_actions() -> None:
+    assert not {a.value for a in ControlAction} & {a.value for a in Action}
+    assert len(COMMAND_ACTIONS) == len(Action) + len(ControlAction)
 
 
 def test_port_file_is_private_and_checked(tmp_path: object) -> None:

@@ -1,26 +1,36 @@
 """The agent's worker management against real processes over real HTTP: the documented
-fake engine (``pearl.control.fakes``) started by :class:`ProcessWorkers`."""
+fake engine (``pearl.control.fakes``) started by :class:`ProcessWorkers`; the bookkeeping
+of :class:`NullWorkers`; both checked against the core's transition table."""
 
 from __future__ import annotations
 
+import itertools
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from pearl.control import pdeath
-from pearl.control.messages import Command
-from pearl.control.workers import ProcessWorkers, WorkerError
+from pearl.control.agent import Agent
+from pearl.control.messages import Command, ControlAction
+from pearl.control.workers import NullWorkers, ProcessWorkers, WorkerError, WorkerState, moved
+from pearl.core.plan import Action
+from pearl.core.roles import PHASE_EDGES, Phase, Role, TransitionError, WorkerKind
 
 FAKE = [sys.executable, "-m", "pearl.control.fakes", "--port", "{port}"]
+A, R = Action, Role
 
 
-def _cmd(action: str, worker: str = "w0", role: str | None = None, **kw: object) -> Command:
+def _cmd(
+    action: Action | ControlAction, worker: str = "w0", role: Role | None = None, **kw: object
+) -> Command:
     return Command(
-        cmd_id=f"{action}-{worker}",
+        cmd_id=f"{action.value}-{worker}",
         step_id=0,
         action=action,
         worker_id=worker,
@@ -45,50 +55,170 @@ def workers() -> Iterator[ProcessWorkers]:
 
 
 def test_an_engine_runs_on_its_gpus_and_obeys_every_action(workers: ProcessWorkers) -> None:
-    workers.execute(_cmd("start", role="decode", gpu_ids=("n0/2", "n0/1")))
+    workers.execute(_cmd(A.START, role=R.DECODE, gpu_ids=("n0/2", "n0/1")))
     assert workers.worker_ids() == ("w0",)
+    assert workers.procs["w0"].state == WorkerState(WorkerKind.ENGINE, R.DECODE, Phase.READY)
     info = workers._http("w0", "/metrics", "GET", 2.0)
     assert 'cuda_visible_devices="2,1"' in info  # the local indices of its GPUs, in order
-    workers.execute(_cmd("sleep", role="idle"))
+    workers.execute(_cmd(A.SLEEP, role=R.IDLE))
     assert _metric(workers, "w0", "pearl_fake_sleeping") == "1"
-    workers.execute(_cmd("wake", role="prefill"))
+    workers.execute(_cmd(A.WAKE, role=R.PREFILL))
     assert _metric(workers, "w0", "pearl_fake_sleeping") == "0"
-    workers.execute(_cmd("sync_weights"))
-    workers.execute(_cmd("sync_weights"))
+    workers.execute(_cmd(A.SYNC_WEIGHTS))
+    workers.execute(_cmd(A.SYNC_WEIGHTS))
     assert _metric(workers, "w0", "pearl_fake_weight_reloads") == "2"
-    workers.execute(_cmd("drain"))
-    assert workers.procs["w0"].state.phase == "draining"
-    workers.execute(_cmd("switch", role="decode"))
-    assert workers.procs["w0"].state.role == "decode"
+    workers.execute(_cmd(A.DRAIN))
+    assert workers.procs["w0"].state.phase is Phase.DRAINING
+    workers.execute(_cmd(ControlAction.ABORT_DRAIN))
+    assert workers.procs["w0"].state == WorkerState(
+        WorkerKind.ENGINE, R.PREFILL, Phase.READY, weight_syncs=2
+    )
+    workers.execute(_cmd(A.DRAIN))
+    workers.execute(_cmd(A.SWITCH, role=R.DECODE))
+    state = workers.procs["w0"].state
+    assert (state.role, state.phase, state.weight_syncs) == (R.DECODE, Phase.READY, 2)
     proc = workers.procs["w0"].proc
-    workers.execute(_cmd("stop"))
+    workers.execute(_cmd(A.STOP))
     assert proc.poll() is not None and workers.worker_ids() == ()
 
 
 def test_a_trainer_offloads_and_onloads(workers: ProcessWorkers) -> None:
-    workers.execute(_cmd("start", "t0", role="train", gpu_ids=("n0/0",)))
-    workers.execute(_cmd("offload", "t0", role="idle"))
+    workers.execute(_cmd(A.START, "t0", role=R.TRAIN, gpu_ids=("n0/0",)))
+    assert workers.procs["t0"].state.kind is WorkerKind.TRAINER
+    workers.execute(_cmd(A.OFFLOAD, "t0", role=R.IDLE))
     assert _metric(workers, "t0", "pearl_fake_sleeping") == "1"
-    workers.execute(_cmd("onload", "t0", role="train"))
+    workers.execute(_cmd(A.ONLOAD, "t0", role=R.TRAIN))
     assert _metric(workers, "t0", "pearl_fake_sleeping") == "0"
-    assert workers.procs["t0"].state.role == "train"
+    assert workers.procs["t0"].state.role is R.TRAIN
 
 
 def test_failures_are_worker_errors(workers: ProcessWorkers) -> None:
     with pytest.raises(WorkerError, match="not on this node"):
-        workers.execute(_cmd("start", role="decode", gpu_ids=("n9/0",)))
+        workers.execute(_cmd(A.START, role=R.DECODE, gpu_ids=("n9/0",)))
     with pytest.raises(WorkerError, match="no worker w1"):
-        workers.execute(_cmd("sleep", "w1", role="idle"))
+        workers.execute(_cmd(A.SLEEP, "w1", role=R.IDLE))
     slow = ProcessWorkers({"*": [*FAKE, "--start-delay-s", "5"]}, {"n0/0": 0})
     try:
         with pytest.raises(WorkerError, match="not healthy within"):
-            slow.execute(_cmd("start", role="decode", gpu_ids=("n0/0",), deadline_s=0.5))
+            slow.execute(_cmd(A.START, role=R.DECODE, gpu_ids=("n0/0",), deadline_s=0.5))
         assert slow.worker_ids() == ()  # the half-started process was stopped
     finally:
         slow.stop_all(2.0)
     dead = ProcessWorkers({"*": [sys.executable, "-c", "raise SystemExit(4)"]}, {"n0/0": 0})
     with pytest.raises(WorkerError, match="exited with 4 on start"):
-        dead.execute(_cmd("start", role="decode", gpu_ids=("n0/0",)))
+        dead.execute(_cmd(A.START, role=R.DECODE, gpu_ids=("n0/0",)))
+
+
+def test_illegal_commands_on_an_engine_raise_before_touching_it(workers: ProcessWorkers) -> None:
+    workers.execute(_cmd(A.START, role=R.DECODE, gpu_ids=("n0/0",)))
+    workers.execute(_cmd(A.SLEEP, role=R.IDLE))
+    before = workers.procs["w0"].state
+    with pytest.raises(TransitionError, match="engine workers cannot take role train"):
+        workers.execute(_cmd(A.ONLOAD, role=R.TRAIN))
+    with pytest.raises(TransitionError, match="wake of w0 needs a role"):
+        workers.execute(_cmd(A.WAKE))
+    with pytest.raises(TransitionError, match="w0 already runs"):
+        workers.execute(_cmd(A.START, role=R.DECODE, gpu_ids=("n0/1",)))
+    assert _metric(workers, "w0", "pearl_fake_sleeping") == "1"  # no /wake_up was sent
+    assert workers.procs["w0"].state == before
+    assert workers.worker_ids() == ("w0",)
+
+
+def _start_in_background(workers: ProcessWorkers, pool: ThreadPoolExecutor) -> Future[None]:
+    """A start on a pool thread, as the agent runs commands; returns once it is starting.
+    (The thread must outlive the engine: its parent-death signal is the thread's.)"""
+    started = pool.submit(workers.execute, _cmd(A.START, role=R.PREFILL, gpu_ids=("n0/0",)))
+    end = time.monotonic() + 10
+    while "w0" not in workers.procs and time.monotonic() < end:
+        time.sleep(0.01)
+    assert workers.procs["w0"].state.phase is Phase.STARTING
+    return started
+
+
+def test_a_starting_engine_cannot_drain_or_switch_but_can_stop() -> None:
+    """While its start waits for /health the engine is ``starting``: the table has no edge
+    to draining or switching from there, only to stopping (the start is cancelled)."""
+    workers = ProcessWorkers({"*": [*FAKE, "--start-delay-s", "1.5"]}, {"n0/0": 0})
+    pool = ThreadPoolExecutor(1)
+    try:
+        start = _start_in_background(workers, pool)
+        with pytest.raises(TransitionError, match="illegal phase change starting -> draining"):
+            workers.execute(_cmd(A.DRAIN))
+        with pytest.raises(TransitionError, match="illegal phase change starting -> switching"):
+            workers.execute(_cmd(A.SWITCH, role=R.DECODE))
+        start.result(timeout=30)
+        assert workers.procs["w0"].state.phase is Phase.READY
+        workers.execute(_cmd(A.DRAIN))  # now legal
+        workers.execute(_cmd(A.STOP))
+        start = _start_in_background(workers, pool)
+        proc = workers.procs["w0"].proc
+        workers.execute(_cmd(A.STOP))
+        with pytest.raises(WorkerError, match="w0 stopped while starting"):
+            start.result(timeout=30)
+        assert proc.poll() is not None and workers.worker_ids() == ()
+    finally:
+        workers.stop_all(5.0)
+        pool.shutdown()
+
+
+@pytest.mark.parametrize(("before", "after"), list(itertools.product(Phase, Phase)), ids=str)
+def test_every_phase_change_is_the_core_table(before: Phase, after: Phase) -> None:
+    w = WorkerState(WorkerKind.ENGINE, R.DECODE, before)
+    if before is after or (before, after) in PHASE_EDGES:
+        assert moved(w, after).phase is after
+    else:
+        with pytest.raises(TransitionError, match="illegal phase change"):
+            moved(w, after)
+
+
+def test_a_role_changes_only_on_entry_into_switching() -> None:
+    w = WorkerState(WorkerKind.ENGINE, R.DECODE, Phase.READY)
+    assert moved(w, Phase.SWITCHING, R.PREFILL).role is R.PREFILL
+    with pytest.raises(TransitionError, match="must happen on entry into switching"):
+        moved(w, Phase.DRAINING, R.PREFILL)
+    with pytest.raises(TransitionError, match="trainer workers cannot take role decode"):
+        moved(WorkerState(WorkerKind.TRAINER, R.TRAIN), Phase.SWITCHING, R.DECODE)
+
+
+def test_null_workers_keep_the_table() -> None:
+    nw = NullWorkers()
+    nw.execute(_cmd(A.START, role=R.DECODE))
+    assert nw.workers["w0"] == WorkerState(WorkerKind.ENGINE, R.DECODE, Phase.READY)
+    with pytest.raises(TransitionError, match="w0 already runs"):
+        nw.execute(_cmd(A.START, role=R.DECODE))
+    nw.execute(_cmd(A.DRAIN))
+    assert nw.workers["w0"].phase is Phase.DRAINING
+    with pytest.raises(TransitionError, match="engine workers cannot take role train"):
+        nw.execute(_cmd(A.ONLOAD, role=R.TRAIN))
+    with pytest.raises(TransitionError, match="switch of w0 needs a role"):
+        nw.execute(_cmd(A.SWITCH))
+    assert nw.workers["w0"].phase is Phase.DRAINING  # a refused command changes nothing
+    nw.execute(_cmd(ControlAction.ABORT_DRAIN))
+    assert nw.workers["w0"] == WorkerState(WorkerKind.ENGINE, R.DECODE, Phase.READY)
+    nw.execute(_cmd(A.SLEEP, role=R.IDLE))
+    assert nw.workers["w0"] == WorkerState(WorkerKind.ENGINE, R.IDLE, Phase.READY, asleep=True)
+    nw.execute(_cmd(A.STOP))
+    assert nw.worker_ids() == ()
+    # a worker it never started is adopted as a ready one: an engine, or a trainer
+    nw.execute(_cmd(A.DRAIN, "e9"))
+    nw.execute(_cmd(A.SWITCH, "e9", role=R.DECODE))
+    assert nw.workers["e9"] == WorkerState(WorkerKind.ENGINE, R.DECODE, Phase.READY)
+    nw.execute(_cmd(A.OFFLOAD, "t9", role=R.IDLE))
+    assert nw.workers["t9"].kind is WorkerKind.TRAINER
+    with pytest.raises(TransitionError, match="trainer workers cannot take role decode"):
+        nw.execute(_cmd(A.WAKE, "t9", role=R.DECODE))
+
+
+def test_an_illegal_command_is_a_failed_ack_and_the_agent_goes_on(tmp_path: Path) -> None:
+    """How the agent turns a command's exception into its Ack (no MPI involved here)."""
+    agent = Agent(tmp_path, "a0", "n0", [], NullWorkers())
+    agent._run_cmd(_cmd(A.START, role=R.DECODE))
+    agent._run_cmd(_cmd(A.START, role=R.DECODE))
+    agent._run_cmd(_cmd(A.DRAIN))
+    acks = [agent._acks.get_nowait() for _ in range(3)]
+    assert [a.ok for a in acks] == [True, False, True]
+    assert acks[1].error is not None
+    assert acks[1].error.startswith("TransitionError: w0 already runs (ready)")
 
 
 def test_an_engine_whose_agent_is_gone_before_it_starts_does_not_start(tmp_path: Path) -> None:
