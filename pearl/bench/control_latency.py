@@ -48,7 +48,7 @@ def bench_control(num_agents: int, repeats: int = 100, warmup: int = 5) -> dict[
     from pearl.control.execute import execute_plan
 
     run_dir = tempfile.mkdtemp(prefix="pearl-bench-control-")
-    server = ControlServer(run_dir, heartbeat_s=0.5, knock_host="127.0.0.1")
+    server = ControlServer.open(run_dir, heartbeat_s=0.5, knock_host="127.0.0.1")
     procs = []
     try:
         for i in range(num_agents):

@@ -125,21 +125,21 @@ class ControlServer:
     def __init__(
         self,
         run_dir: str | Path,
+        mpi: Any,
+        knock: KnockListener,
+        port: str,
+        token: str,
         *,
         heartbeat_s: float = 0.5,
         missed_heartbeats: int = 6,
-        knock_host: str | None = None,
-        token: str | None = None,
         accept_timeout_s: float = ACCEPT_TIMEOUT_S,
     ) -> None:
+        """From what ``open`` made (MPI, the knock listener, the MPI port); no I/O."""
         self.run_dir = Path(run_dir)
         self.heartbeat_s = heartbeat_s
         self.missed_heartbeats = missed_heartbeats
         self.accept_timeout_s = accept_timeout_s
-        self._mpi = load_mpi("multiple")
-        self._token = token or new_token()
-        self._knock = KnockListener(knock_host or socket.gethostname(), self._token)
-        self.port = self._mpi.Open_port()
+        self._mpi, self._knock, self.port, self._token = mpi, knock, port, token
         self._new_comms: queue.Queue[Any] = queue.Queue()
         self._outbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._lock = threading.Condition()
@@ -151,14 +151,45 @@ class ControlServer:
         self._accepting_since_s: float | None = None
         self._stop = threading.Event()
         self._ids = itertools.count()
-        write_port_file(
-            self.run_dir,
-            PortInfo(self.port, self._knock.host, self._knock.port, self._token, os.getpid()),
-        )
         self._threads = [
             threading.Thread(target=self._accept_loop, name="control-accept", daemon=True),
             threading.Thread(target=self._io_loop, name="control-io", daemon=True),
         ]
+
+    @classmethod
+    def open(
+        cls,
+        run_dir: str | Path,
+        *,
+        heartbeat_s: float = 0.5,
+        missed_heartbeats: int = 6,
+        knock_host: str | None = None,
+        token: str | None = None,
+        accept_timeout_s: float = ACCEPT_TIMEOUT_S,
+    ) -> ControlServer:
+        """Initialise MPI, listen for knocks, open the MPI port, then ``start``."""
+        mpi = load_mpi("multiple")
+        token = token or new_token()
+        knock = KnockListener(knock_host or socket.gethostname(), token)
+        server = cls(
+            run_dir,
+            mpi,
+            knock,
+            mpi.Open_port(),
+            token,
+            heartbeat_s=heartbeat_s,
+            missed_heartbeats=missed_heartbeats,
+            accept_timeout_s=accept_timeout_s,
+        )
+        server.start()
+        return server
+
+    def start(self) -> None:
+        """Write the port file the agents look for, and start accepting and serving."""
+        write_port_file(
+            self.run_dir,
+            PortInfo(self.port, self._knock.host, self._knock.port, self._token, os.getpid()),
+        )
         for t in self._threads:
             t.start()
 

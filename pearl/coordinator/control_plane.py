@@ -11,18 +11,26 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pearl.coordinator.reconcile import AgentEvent
 from pearl.core.execution import PlanOutcome, StepOutcome
 from pearl.core.plan import TransitionPlan
 
+if TYPE_CHECKING:
+    from pearl.control.coordinator_side import ControlServer
+
 
 class MpiControl:
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, server: ControlServer) -> None:
+        self.server = server
+
+    @classmethod
+    def open(cls, run_dir: Path) -> MpiControl:
+        """The control server of ``run_dir``, open (MPI initialised, port file written)."""
         from pearl.control.coordinator_side import ControlServer  # initialises MPI
 
-        self.server = ControlServer(run_dir)
+        return cls(ControlServer.open(run_dir))
 
     def execute(self, plan: TransitionPlan) -> PlanOutcome:
         from pearl.control.coordinator_side import CommandStatus

@@ -81,7 +81,7 @@ def run_job(config_path: str, max_runtime_s: float | None = None) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGUSR2):
         signal.signal(sig, on_signal)
-    control = MpiControl(run_dir) if config.agents is not None else None
+    control = MpiControl.open(run_dir) if config.agents is not None else None
     coordinator = Coordinator.open(
         config,
         profile,

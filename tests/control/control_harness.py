@@ -41,7 +41,7 @@ def _plan(steps: list[dict[str, object]]) -> TransitionPlan:
 
 
 def main() -> int:
-    server = ControlServer(
+    server = ControlServer.open(
         sys.argv[1],
         heartbeat_s=0.2,
         missed_heartbeats=5,
