@@ -26,7 +26,7 @@ from pearl.core.observation import AllocationGranted
 from pearl.core.plan import TransitionPlan
 from pearl.core.state import AllocationStatus, ClusterState
 from pearl.runlog.jsonl import RunLogWriter
-from pearl.runlog.records import BorrowJournal, decision_record, state_records
+from pearl.runlog.records import BorrowRecords, decision_record, state_records
 from pearl.runlog.schema import AllocationChanged, BorrowChanged, PlanStepDone, RunEnded, RunStarted
 
 POLICY = "pearl"
@@ -46,7 +46,7 @@ class CoordinatorLog:
         fresh = not path.exists() or path.stat().st_size == 0
         self._writer = RunLogWriter(path)
         self._logged = logged
-        self._borrows = BorrowJournal()
+        self._borrows = BorrowRecords()
         self._quiet_s = quiet_decision_interval_s
         self._last_decision_s: float | None = None
         if fresh:

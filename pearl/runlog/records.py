@@ -1,6 +1,6 @@
 """Run-log records of decisions and of what changed between two cluster states (pure).
 
-``decision_record`` and ``BorrowJournal`` turn a ``Decision`` into records (a return is
+``decision_record`` and ``BorrowRecords`` turn a ``Decision`` into records (a return is
 logged once, when decided, not at every decision while it is under way).
 
 ``state_records(before, after, t)`` is how the simulator and the coordinator log the GPU
@@ -63,7 +63,7 @@ def decision_record(now_s: float, policy: str, d: Decision) -> DecisionMade:
     )
 
 
-class BorrowJournal:
+class BorrowRecords:
     def __init__(self) -> None:
         self._return_logged_for: float | None = None  # lent_at_s of the window
 

@@ -52,7 +52,7 @@ from pearl.core.profile import RuntimeProfile
 from pearl.core.roles import GpuSource
 from pearl.core.state import ClusterState
 from pearl.core.workload import TrajPhase
-from pearl.runlog.records import BorrowJournal, decision_record, state_records
+from pearl.runlog.records import BorrowRecords, decision_record, state_records
 from pearl.runlog.schema import (
     BatchCompleted,
     BorrowChanged,
@@ -93,7 +93,7 @@ from pearl.sim.timeline import (
 from pearl.sim.trajectories import TrajectoryModel, means, turns_left_table
 
 Sink = Callable[[Record], None]
-Scheduled = list[tuple[float, SimEvent, int]]
+Queued = list[tuple[float, SimEvent, int]]  # follow-ups with their priority, for the loop
 
 
 @dataclass(frozen=True)
@@ -160,7 +160,7 @@ class Simulation:
         self.transitions = 0
         self.decisions = 0
         self.ledger = PredictionLedger()
-        self.borrows = BorrowJournal()
+        self.borrows = BorrowRecords()
         self.handlers: dict[type[SimEvent], Callable[[Any, float], Follow]] = {
             StartTrajectories: lambda _, now_s: self._start_trajectories(now_s),
             StepEnds: self._on_step,
@@ -205,7 +205,7 @@ class Simulation:
         self.log(RunEnded.model_construct(t=self.duration_s, reason="duration reached"))
         return self._metrics()
 
-    def _handle(self, event: SimEvent, now_s: float) -> Scheduled:
+    def _handle(self, event: SimEvent, now_s: float) -> Queued:
         out = self.handlers[type(event)](event, now_s)
         for time_s, ev in out:
             if ev.CONTROL:
