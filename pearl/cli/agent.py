@@ -1,5 +1,9 @@
 """``pearl agent``: the node agent (``pearl.control.agent``), started in each allocation
-under ``srun --mpi=pmi2`` or ``mpiexec -n 1`` (``pearl.control.agent.agent_command``)."""
+under ``srun --mpi=pmi2`` or ``mpiexec -n 1`` (``pearl.control.agent.agent_command``).
+
+Allocations start it as ``python -m pearl.cli.agent ...`` (``main``), which parses the same
+options without importing the other commands (the simulator, the analysis): an agent
+starts fast and depends on no more of pearl than it uses."""
 
 from __future__ import annotations
 
@@ -7,12 +11,18 @@ import argparse
 import os
 import shlex
 import socket
+import sys
 
 from pearl.io.extras import require
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("agent", help="run a node agent (inside an allocation)")
+    add_options(p)
+    p.set_defaults(run=run)
+
+
+def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-dir", required=True, help="run directory holding control/port.json")
     p.add_argument("--agent-id", default=None, help="default: NODE-JOBID-PID")
     p.add_argument("--node", default=os.environ.get("SLURMD_NODENAME") or socket.gethostname())
@@ -42,7 +52,6 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--grace-s", type=float, default=30.0)
     p.add_argument("--connect-timeout-s", type=float, default=60.0)
     p.add_argument("--log-dir", default=None, help="the agent's and its engines' logs")
-    p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -73,3 +82,14 @@ def run(args: argparse.Namespace) -> int:
         log_dir=args.log_dir,
     )
     return agent.run()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m pearl.cli.agent``: ``pearl agent`` without the rest of the CLI."""
+    parser = argparse.ArgumentParser(prog="pearl agent", description=__doc__.splitlines()[0])
+    add_options(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

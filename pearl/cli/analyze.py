@@ -1,4 +1,4 @@
-"""``pearl analyze RUN_DIR [RUN_DIR ...]``: the post-hoc report of run logs (``analysis``).
+"""``pearl analyze RUN_DIR [RUN_DIR ...]``: the post-hoc report of run logs (``pearl.analysis``).
 
 Plots, ``report.md``, ``report.html`` and ``summary.json`` go to ``--out`` (default
 ``FIRST/analysis``); ``--json`` prints only the summary. A missing path, or one holding no

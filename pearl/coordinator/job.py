@@ -82,15 +82,20 @@ def run_job(config_path: str, max_runtime_s: float | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGUSR2):
         signal.signal(sig, on_signal)
     control = MpiControl.open(run_dir) if config.agents is not None else None
-    coordinator = Coordinator.open(
-        config,
-        profile,
-        run_dir,
-        backend,
-        clock=lambda: time.time() - start_s,
-        workload=workload_file(run_dir / "workload.json"),
-        control=control,
-    )
+    try:
+        coordinator = Coordinator.open(
+            config,
+            profile,
+            run_dir,
+            backend,
+            clock=lambda: time.time() - start_s,
+            workload=workload_file(run_dir / "workload.json"),
+            control=control,
+        )
+    except BaseException:
+        if control is not None:
+            control.close()
+        raise
     ended: str | None = None  # a crash: the run may go on in a requeued incarnation
     try:
         coordinator.run(max_runtime_s, stop=lambda: bool(stopping["signal"]))

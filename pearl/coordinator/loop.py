@@ -135,7 +135,7 @@ class Coordinator:
         self.decisions = 0
         self._journalled: ClusterState | None = None  # each incarnation writes its first
         self._lost: list[Event] = []
-        self._plan_intent: tuple[str, float] | None = None  # the running plan's, its end
+        self._plan_intent: str | None = None  # the intent of the plan running
         join_timeout_s = config.agents.join_timeout_s if config.agents else 0.0
         self.gate = GrantGate(join_timeout_s) if control is not None else None
 
@@ -156,19 +156,27 @@ class Coordinator:
         past = replay(path)
         resumed = resume(past, config)
         journal = Journal(path, past.next_seq, past.valid_bytes, past.submitted)
-        log = CoordinatorLog(
-            run_dir / "events.jsonl",
-            config.run_id,
-            config.profile,
-            past.state,
-            clock(),
-            config.policy.borrowing.max_return_delay_s,
-        )
+        try:
+            log = CoordinatorLog(
+                run_dir / "events.jsonl",
+                config.run_id,
+                config.profile,
+                past.state,
+                clock(),
+                config.policy.borrowing.max_return_delay_s,
+            )
+        except BaseException:
+            journal.close()
+            raise
         agents_path = run_dir / "agents.json"
         coordinator = cls(
             config, profile, backend, clock, workload, journal, log, resumed, control, agents_path
         )
-        coordinator.reattach()
+        try:
+            coordinator.reattach()
+        except BaseException:  # a failed start leaves no journal lock and no open log
+            coordinator.close()
+            raise
         return coordinator
 
     def reattach(self) -> None:
@@ -247,28 +255,28 @@ class Coordinator:
         """Hand the plan to the agents and wait for it; the executor learns its end."""
         intent = f"plan-{self._new_intent()}"
         self.journal.intent(intent, "plan", now_s, num_steps=len(plan.steps))
+        self._plan_intent = intent
         if self.control is None:
-            self._plan_intent = (intent, now_s)
             self.executor.plan_ended(PlanOutcome(False, frozenset(), (), "no control plane"), now_s)
             return
         start_s = max(now_s, self.clock())  # after this tick's journal writes and Slurm calls
         outcome = self.control.execute(plan)
         end_s = max(start_s, self.clock())
         self.log.plan(plan, outcome, start_s)
-        self._plan_intent = (intent, end_s)
         self.executor.plan_ended(outcome, end_s)
 
     def adopt(self, end: PlanEnd, now_s: float) -> None:
-        """The state with the plan's steps that stand; the plan's intent closed."""
-        assert self._plan_intent is not None
-        intent, end_s = self._plan_intent
-        self._plan_intent = None
+        """The state with the plan's steps that stand, at the measured end ``now_s``; the
+        plan's intent closed."""
+        intent, self._plan_intent = self._plan_intent, None
+        if intent is None:
+            raise RuntimeError("adopt without a plan of this coordinator's")
         if end.state is not self.state:
-            self._record(end.state, end_s)
+            self._record(end.state.evolve(time_s=now_s), now_s)
         if end.ok:
-            self.journal.done(intent, end_s)
+            self.journal.done(intent, now_s)
         else:
-            self.journal.done(intent, end_s, ok=False, error=end.error or "not acknowledged")
+            self.journal.done(intent, now_s, ok=False, error=end.error or "not acknowledged")
 
     # --- observing ------------------------------------------------------------------------
 

@@ -29,7 +29,12 @@ end; the simulator's fleet follows it (and the router will). Why an allocation e
 ``pearl.core.state.EndReason``, in every part of pearl.
 
 Invariants (``tests/core/test_execution.py``): submissions come before the plan, releases
-after its end, each id once; ``carry_out`` while a plan runs is an error.
+after its end, each id once; ``carry_out`` while a plan runs is an error; a ``run_plan``
+that raises leaves no plan running and releases nothing (the next decision, from the
+state as observed, decides again).
+
+Time: the state after a plan is stamped ``max(start + makespan, end)``, the simulator's
+clock; a world with a measured end (the coordinator) stamps it with that in ``adopt``.
 """
 
 from __future__ import annotations
@@ -178,7 +183,11 @@ class Executor:
             self._release(decision, now_s)
             return
         self._running = _Running(decision, now_s)
-        self.world.run_plan(decision.plan, now_s)
+        try:
+            self.world.run_plan(decision.plan, now_s)
+        except BaseException:  # the plan did not run to an end: no state, no releases
+            self._running = None
+            raise
 
     def plan_ended(self, outcome: PlanOutcome, now_s: float) -> PlanEnd:
         """The running plan has ended at ``now_s``: the world adopts the state after it,

@@ -5,14 +5,18 @@ restarted resumes from its journal; a bad configuration is one clear line, exit 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
+import pytest
 import yaml
 
 from pearl.cli.main import main
@@ -183,8 +187,6 @@ def test_a_decision_is_carried_out_requests_plan_releases(tmp_path: Path) -> Non
     """The coordinator as the core executor's world (pearl.core.execution): a decision
     with requests, a plan and releases is journalled in that order, the releases after the
     plan's end (here without agents: the plan is not executed, and says so)."""
-    from dataclasses import replace
-
     from pearl.cluster.local_backend import LocalBackend
     from pearl.coordinator.config import load_config
     from pearl.coordinator.loop import Coordinator, workload_file
@@ -236,3 +238,101 @@ def test_a_decision_is_carried_out_requests_plan_releases(tmp_path: Path) -> Non
     )
     assert plan_done["data"] == {**plan_done["data"], "ok": False, "error": "no control plane"}
     _kill_local_jobs(run_dir / "jobs")
+
+
+def _plan_decision(coordinator: Any, now_s: float) -> Any:
+    """A decision with a plan on the coordinator's state (switching forced: it starts
+    engines), as ``decide`` makes it."""
+    from pearl.core.config import SwitchingConfig
+    from pearl.core.decide import decide
+    from pearl.core.observation import Observation
+
+    cfg = coordinator.config.policy.model_copy(update={"switching": SwitchingConfig(rule="always")})
+    obs = Observation(workload=coordinator.workload())
+    d = decide(coordinator.state, obs, cfg, coordinator.profile, now_s)
+    assert len(d.plan.steps) >= 2
+    return d
+
+
+@pytest.mark.parametrize("num_ok", [None, 1], ids=["all-acknowledged", "part-failed"])
+def test_the_state_after_a_plan_is_journalled_at_its_measured_end(
+    tmp_path: Path, num_ok: int | None
+) -> None:
+    """With a control plane (the documented fake of control_fakes.py), the state after a
+    plan holds the steps that stand and is stamped with the measured end, not with the
+    planner's estimate; a failed plan keeps its acknowledged part and says why."""
+    from control_fakes import AckingControl
+
+    from pearl.cluster.local_backend import LocalBackend
+    from pearl.coordinator.config import load_config
+    from pearl.coordinator.loop import Coordinator, workload_file
+    from pearl.io.documents import load_profile
+
+    config, run_dir = load_config(_config(tmp_path))
+    times = itertools.count(0.0, 0.5)  # every reading of the clock half a second on
+    coordinator = Coordinator.open(
+        config,
+        load_profile(config.profile),
+        run_dir,
+        LocalBackend(run_dir / "jobs"),
+        clock=lambda: next(times),
+        workload=workload_file(run_dir / "workload.json"),
+        control=AckingControl(num_ok),
+    )
+    try:
+        d = _plan_decision(coordinator, 2.0)
+        assert d.plan.makespan_s > 10.0  # the estimate is far from the measured end
+        coordinator.executor.carry_out(d, 2.0)
+        state = coordinator.state
+    finally:
+        coordinator.close()
+    journal = replay(run_dir / "journal.jsonl")
+    assert journal.state == state and state.time_s < d.plan.makespan_s
+    started = {w.worker_id for w in state.workers} - {w.worker_id for w in d.state.workers}
+    wanted = len(d.plan.steps) if num_ok is None else num_ok
+    assert len(started) <= wanted and (num_ok is not None or started)
+    done = [
+        json.loads(line)["data"]
+        for line in (run_dir / "journal.jsonl").read_text().splitlines()
+        if '"kind":"done"' in line and '"id":"plan-' in line
+    ]
+    assert [r["ok"] for r in done] == [num_ok is None]
+    if num_ok is not None:
+        assert "timeout" in done[0]["error"]
+    _kill_local_jobs(run_dir / "jobs")
+
+
+def test_a_plan_that_raises_leaves_no_plan_running(tmp_path: Path) -> None:
+    """A control plane that fails outright: the error reaches the caller, the executor
+    runs no plan any more, and nothing is released."""
+    from control_fakes import AckingControl
+
+    from pearl.cluster.local_backend import LocalBackend
+    from pearl.coordinator.config import load_config
+    from pearl.coordinator.loop import Coordinator, workload_file
+    from pearl.core.decision import ElasticAction
+    from pearl.io.documents import load_profile
+
+    class BrokenControl(AckingControl):
+        def execute(self, plan: Any) -> Any:
+            raise RuntimeError("MPI is gone")
+
+    config, run_dir = load_config(_config(tmp_path))
+    coordinator = Coordinator.open(
+        config,
+        load_profile(config.profile),
+        run_dir,
+        LocalBackend(run_dir / "jobs"),
+        clock=lambda: 1.0,
+        workload=workload_file(run_dir / "workload.json"),
+        control=BrokenControl(),
+    )
+    try:
+        d = _plan_decision(coordinator, 1.0)
+        crafted = replace(d, elastic=ElasticAction(releases=("el0001",)))
+        with pytest.raises(RuntimeError, match="MPI is gone"):
+            coordinator.executor.carry_out(crafted, 1.0)
+        assert not coordinator.executor.plan_running
+    finally:
+        coordinator.close()
+    assert '"action":"release"' not in (run_dir / "journal.jsonl").read_text()

@@ -73,3 +73,32 @@ def _random_run(seed: int) -> list[str]:
 def test_same_seed_same_run_bit_for_bit() -> None:
     assert _random_run(3) == _random_run(3)
     assert _random_run(3) != _random_run(4)
+
+
+def test_every_simulator_event_has_its_priority_and_a_handler() -> None:
+    """The priorities and control flags of the run's events, as they were when events were
+    tuples (pearl.sim.timeline); a new event needs a handler in the runner."""
+    import sim_fixtures as F
+
+    from pearl.sim.baselines import make_policy
+    from pearl.sim.runner import Simulation
+    from pearl.sim.timeline import SimEvent
+
+    events = {e.__name__: (e.PRIORITY, e.CONTROL) for e in SimEvent.__subclasses__()}
+    assert events == {
+        "StepEnds": (0, False),
+        "Kick": (0, False),
+        "StartTrajectories": (1, False),
+        "Arrive": (1, False),
+        "SlurmChange": (2, True),
+        "Eligible": (2, False),
+        "PlanStepStarts": (3, True),
+        "PlanStepEnds": (3, True),
+        "Unpark": (4, False),
+        "TrainDone": (4, True),
+        "Decide": (5, True),
+    }
+    sc = F.scenario()
+    sim = Simulation(F.inputs(sc), make_policy("pearl", sc.policy, sc.cluster.trainer.nodes))
+    # by name: dataclass(slots=True) replaces each class, its first version stays a subclass
+    assert {e.__name__ for e in sim.handlers} == set(events)
