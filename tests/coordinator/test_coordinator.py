@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -187,24 +188,13 @@ def test_a_decision_is_carried_out_requests_plan_releases(tmp_path: Path) -> Non
     """The coordinator as the core executor's world (pearl.core.execution): a decision
     with requests, a plan and releases is journalled in that order, the releases after the
     plan's end (here without agents: the plan is not executed, and says so)."""
-    from pearl.cluster.local_backend import LocalBackend
-    from pearl.coordinator.config import load_config
-    from pearl.coordinator.loop import Coordinator, workload_file
     from pearl.core.config import SwitchingConfig
     from pearl.core.decide import decide
     from pearl.core.decision import ElasticAction, ElasticRequest
     from pearl.core.observation import Observation
-    from pearl.io.documents import load_profile
 
-    config, run_dir = load_config(_config(tmp_path))
-    coordinator = Coordinator.open(
-        config,
-        load_profile(config.profile),
-        run_dir,
-        LocalBackend(run_dir / "jobs"),
-        clock=lambda: 1.0,
-        workload=workload_file(run_dir / "workload.json"),
-    )
+    coordinator = _open(tmp_path, clock=lambda: 1.0)
+    config, run_dir = coordinator.config, tmp_path / "run"
     try:
         coordinator.tick()  # asks for el0001
         cfg = config.policy.model_copy(update={"switching": SwitchingConfig(rule="always")})
@@ -240,6 +230,25 @@ def test_a_decision_is_carried_out_requests_plan_releases(tmp_path: Path) -> Non
     _kill_local_jobs(run_dir / "jobs")
 
 
+def _open(tmp_path: Path, clock: Callable[[], float], control: Any = None) -> Any:
+    """A coordinator incarnation in-process on the local backend, on ``_config``'s run."""
+    from pearl.cluster.local_backend import LocalBackend
+    from pearl.coordinator.config import load_config
+    from pearl.coordinator.loop import Coordinator, workload_file
+    from pearl.io.documents import load_profile
+
+    config, run_dir = load_config(_config(tmp_path))
+    return Coordinator.open(
+        config,
+        load_profile(config.profile),
+        run_dir,
+        LocalBackend(run_dir / "jobs"),
+        clock=clock,
+        workload=workload_file(run_dir / "workload.json"),
+        control=control,
+    )
+
+
 def _plan_decision(coordinator: Any, now_s: float) -> Any:
     """A decision with a plan on the coordinator's state (switching forced: it starts
     engines), as ``decide`` makes it."""
@@ -263,22 +272,9 @@ def test_the_state_after_a_plan_is_journalled_at_its_measured_end(
     planner's estimate; a failed plan keeps its acknowledged part and says why."""
     from control_fakes import AckingControl
 
-    from pearl.cluster.local_backend import LocalBackend
-    from pearl.coordinator.config import load_config
-    from pearl.coordinator.loop import Coordinator, workload_file
-    from pearl.io.documents import load_profile
-
-    config, run_dir = load_config(_config(tmp_path))
     times = itertools.count(0.0, 0.5)  # every reading of the clock half a second on
-    coordinator = Coordinator.open(
-        config,
-        load_profile(config.profile),
-        run_dir,
-        LocalBackend(run_dir / "jobs"),
-        clock=lambda: next(times),
-        workload=workload_file(run_dir / "workload.json"),
-        control=AckingControl(num_ok),
-    )
+    coordinator = _open(tmp_path, clock=lambda: next(times), control=AckingControl(num_ok))
+    run_dir = tmp_path / "run"
     try:
         d = _plan_decision(coordinator, 2.0)
         assert d.plan.makespan_s > 10.0  # the estimate is far from the measured end
@@ -307,26 +303,14 @@ def test_a_plan_that_raises_leaves_no_plan_running(tmp_path: Path) -> None:
     runs no plan any more, and nothing is released."""
     from control_fakes import AckingControl
 
-    from pearl.cluster.local_backend import LocalBackend
-    from pearl.coordinator.config import load_config
-    from pearl.coordinator.loop import Coordinator, workload_file
     from pearl.core.decision import ElasticAction
-    from pearl.io.documents import load_profile
 
     class BrokenControl(AckingControl):
         def execute(self, plan: Any) -> Any:
             raise RuntimeError("MPI is gone")
 
-    config, run_dir = load_config(_config(tmp_path))
-    coordinator = Coordinator.open(
-        config,
-        load_profile(config.profile),
-        run_dir,
-        LocalBackend(run_dir / "jobs"),
-        clock=lambda: 1.0,
-        workload=workload_file(run_dir / "workload.json"),
-        control=BrokenControl(),
-    )
+    coordinator = _open(tmp_path, clock=lambda: 1.0, control=BrokenControl())
+    run_dir = tmp_path / "run"
     try:
         d = _plan_decision(coordinator, 1.0)
         crafted = replace(d, elastic=ElasticAction(releases=("el0001",)))
