@@ -90,11 +90,13 @@ def core_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _install_or_skip(tmp_path_factory.mktemp("core") / "venv")
 
 
-def _pearl(python: Path, cwd: Path, *args: str | Path) -> subprocess.CompletedProcess[str]:
+def _pearl(
+    python: Path, cwd: Path, *args: str | Path, entry: str = "pearl.cli.main"
+) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONNOUSERSITE": "1"}
     env.pop("VIRTUAL_ENV", None)
     return subprocess.run(
-        [str(python), "-m", "pearl.cli.main", *map(str, args)],
+        [str(python), "-m", entry, *map(str, args)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -140,19 +142,20 @@ def test_simulate_runs_on_the_core(core_python: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("args", "module"),
+    ("entry", "args", "module"),
     [
-        (["coordinator", "coordinator.json"], "submitit"),
-        (["agent", "--run-dir", "run"], "mpi4py"),
-        (["bench", "control", "--agents", "1", "--repeats", "1"], "mpi4py"),
+        ("pearl.cli.main", ["coordinator", "coordinator.json"], "submitit"),
+        ("pearl.cli.main", ["agent", "--run-dir", "run"], "mpi4py"),
+        ("pearl.cli.agent", ["--run-dir", "run"], "mpi4py"),  # as allocations launch it
+        ("pearl.cli.main", ["bench", "control", "--agents", "1", "--repeats", "1"], "mpi4py"),
     ],
-    ids=["coordinator", "agent", "bench-control"],
+    ids=["coordinator", "agent", "agent-as-launched", "bench-control"],
 )
 def test_a_slurm_command_names_the_extra(
-    core_python: Path, tmp_path: Path, args: list[str], module: str
+    core_python: Path, tmp_path: Path, entry: str, args: list[str], module: str
 ) -> None:
     (tmp_path / "coordinator.json").write_text(json.dumps(COORDINATOR), encoding="utf-8")
-    done = _pearl(core_python, tmp_path, *args)
+    done = _pearl(core_python, tmp_path, *args, entry=entry)
     assert (done.returncode, done.stdout) == (2, ""), done.stderr
     assert done.stderr.splitlines() == [
         f"pearl: error: <environment>: {module}: not installed; pip install 'pearl[slurm]'"

@@ -59,13 +59,15 @@ from pearl.cluster.slurm_text import (
     parse_time,
 )
 from pearl.cluster.submission import run_of_comment
+from pearl.core.execution import ELASTIC_ID_PREFIX
 
 Role = Literal["coordinator", "base", "elastic", "other"]
 JobKey = tuple[int, str | None, int | None]  # (job, array task, het component)
 
 COORDINATOR_PREFIX = "pearl-coordinator-"  # launch/submit.py: pearl-coordinator-<config stem>
 BASE_JOB_NAME = "pearl-base"  # slurm/base-job.sbatch: --job-name
-_ELASTIC_NAME = re.compile(r"^pearl-.+-el\d+$")  # Submission.job_name, allocation el%04d
+# Submission.job_name of an elastic allocation: pearl-RUN-<AllocationIds id>
+_ELASTIC_NAME = re.compile(rf"^pearl-.+-{ELASTIC_ID_PREFIX}\d+$")
 KNOWN_STATES = frozenset(
     {
         "BOOT_FAIL", "CANCELLED", "COMPLETED", "COMPLETING", "CONFIGURING", "DEADLINE",

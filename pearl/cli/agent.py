@@ -13,6 +13,7 @@ import shlex
 import socket
 import sys
 
+from pearl.cli.errors import run_command
 from pearl.io.extras import require
 
 
@@ -88,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m pearl.cli.agent``: ``pearl agent`` without the rest of the CLI."""
     parser = argparse.ArgumentParser(prog="pearl agent", description=__doc__.splitlines()[0])
     add_options(parser)
-    return run(parser.parse_args(argv))
+    parser.set_defaults(run=run)
+    return run_command(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from pearl.cli import agent, analyze, bench, coordinator, plan, simulate
-from pearl.io.documents import InputError
+from pearl.cli.errors import run_command
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,13 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        code: int = args.run(args)
-    except InputError as err:
-        print(f"pearl: error: {err}", file=sys.stderr)
-        return 2
-    return code
+    return run_command(build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":
