@@ -8,7 +8,11 @@ from pathlib import Path
 
 
 def children(pid: int, marker: bytes) -> list[int]:
-    """Processes whose parent is ``pid`` and whose command line contains ``marker``."""
+    """Processes whose parent is ``pid`` and that have ``marker`` as one of their arguments.
+
+    A whole argument, not a substring of the command line: a child forked but not yet
+    exec'd still shows its parent's command line, whose arguments may quote the command
+    it is about to run (an agent's ``--engine "*=python -m pearl.control.fakes ..."``)."""
     out = []
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
@@ -19,7 +23,7 @@ def children(pid: int, marker: bytes) -> list[int]:
         except OSError:
             continue
         ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == pid and marker in cmd:
+        if ppid == pid and marker in cmd.split(b"\0"):
             out.append(int(d.name))
     return out
 

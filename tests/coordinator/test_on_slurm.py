@@ -295,7 +295,10 @@ def _starting_engines(agent: dict[str, object]) -> list[int]:
     """The agent's fake engines that do not listen yet (``--start-delay-s``)."""
     out = []
     for pid in children(_pid(agent), b"pearl.control.fakes"):
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:  # it exited meanwhile
+            continue
         port = int(argv[argv.index(b"--port") + 1])
         with socket.socket() as sock:
             if sock.connect_ex(("127.0.0.1", port)) != 0:
