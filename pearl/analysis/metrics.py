@@ -10,6 +10,8 @@ analysed in one streaming pass. ``summary`` turns what was seen into plain numbe
 - ``Throughput``: ``trajectory_finished``: count, output tokens, per ``BIN_S`` bin.
 - ``Training``: ``train_step``: count, step time ``t - started_t``, ``waited_for_gpus_s``.
 - ``Batches``: ``batch_completed``: actual time ``t - started_t`` against ``predicted_s``.
+- ``Consumption``: ``batch_consumed`` and ``past_bound``: what the trainer took (off-policy
+  share, staleness per batch) and what the staleness bound cost (restarts, drops, tokens).
 """
 
 from __future__ import annotations
@@ -21,7 +23,15 @@ from typing import Any
 
 import numpy as np
 
-from pearl.runlog.schema import BatchCompleted, RunEnded, RunStarted, TrainStep, TrajectoryFinished
+from pearl.runlog.schema import (
+    BatchCompleted,
+    BatchConsumed,
+    PastBoundApplied,
+    RunEnded,
+    RunStarted,
+    TrainStep,
+    TrajectoryFinished,
+)
 
 BIN_S = 10.0  # width of the throughput bins (s); the plots merge them
 Handlers = dict[str, Callable[[Any], None]]
@@ -134,17 +144,20 @@ class Throughput:
         tokens = [self.bins.get(i, [0, 0])[1] for i in range(n)]
         return starts, traj, tokens
 
-    def summary(self, duration_s: float) -> dict[str, Any]:
+    def summary(self, duration_s: float, taken_back: int = 0) -> dict[str, Any]:
+        """``taken_back``: finished trajectories an update restarted or dropped later
+        (``past_bound``): they do not count as finished."""
         hours = duration_s / 3600.0
+        finished = self.trajectories - taken_back
         per_min: dict[int, int] = {}  # whole minutes of the run clock
         for k, (n, _) in self.bins.items():
             minute = int(k * self.bin_s // 60.0)
             per_min[minute] = per_min.get(minute, 0) + n
         return {
-            "trajectories": self.trajectories,
+            "trajectories": finished,
             "output_tokens": self.output_tokens,
             "turns": self.turns,
-            "throughput_traj_per_h": rounded(self.trajectories / hours) if hours else None,
+            "throughput_traj_per_h": rounded(finished / hours) if hours else None,
             "tokens_per_s": rounded(self.output_tokens / duration_s) if duration_s else None,
             "peak_traj_per_min": max(per_min.values(), default=0),
         }
@@ -206,4 +219,56 @@ class Batches:
                 "p90_ape": rounded(float(np.percentile(ape, 90))) if ape else None,
                 "max_ape": rounded(max(ape)) if ape else None,
             },
+        }
+
+
+@dataclass
+class Consumption:
+    batches: list[tuple[float, int, int, int, float]] = field(default_factory=list)
+    # (t, trajectories, off-policy tokens, max staleness, mean staleness), per batch
+    tokens: int = 0
+    off_policy_tokens: int = 0
+    interrupted: int = 0
+    restarted: int = 0
+    dropped: int = 0
+    wasted_tokens: int = 0
+    taken_back: int = 0
+
+    def handlers(self) -> Handlers:
+        return {"batch_consumed": self._on_batch, "past_bound": self._on_past_bound}
+
+    def _on_batch(self, r: BatchConsumed) -> None:
+        self.batches.append(
+            (
+                r.t,
+                r.trajectories,
+                r.off_policy_tokens,
+                r.max_staleness_versions,
+                r.mean_staleness_versions,
+            )
+        )
+        self.tokens += r.output_tokens
+        self.off_policy_tokens += r.off_policy_tokens
+
+    def _on_past_bound(self, r: PastBoundApplied) -> None:
+        self.interrupted += r.interrupted
+        self.restarted += r.restarted
+        self.dropped += r.dropped
+        self.wasted_tokens += r.wasted_tokens
+        self.taken_back += r.taken_back
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "batches": len(self.batches),
+            "consumed": sum(b[1] for b in self.batches),
+            "taken_back": self.taken_back,
+            "off_policy_share": rounded(self.off_policy_tokens / self.tokens)
+            if self.tokens
+            else None,
+            "max_staleness_versions": describe([float(b[3]) for b in self.batches]),
+            "mean_staleness_versions": describe([b[4] for b in self.batches]),
+            "interrupted": self.interrupted,
+            "restarted": self.restarted,
+            "dropped": self.dropped,
+            "wasted_tokens": self.wasted_tokens,
         }

@@ -90,6 +90,9 @@ def comparison_row(s: dict[str, Any]) -> dict[str, Any]:
         "elastic_gpu_hours": src["elastic"],
         "utilisation": s["gpu_hours"]["utilisation"],
         "batch_mean_s": s["batches"]["batch_time_s"]["mean"],
+        "consumed": s["rollout"]["consumed"],
+        "off_policy_share": s["rollout"]["off_policy_share"],
+        "wasted_tokens": s["rollout"]["wasted_tokens"],
         "prediction_mape": s["batches"]["prediction"]["mape"],
         "max_trainer_wait_s": s["borrow"]["trainer_wait"]["max_s"],
         "skipped_lines": s["read"]["skipped"],
@@ -137,6 +140,7 @@ def _run_blocks(run: RunAnalysis, s: dict[str, Any], plots: dict[str, Path]) -> 
     blocks += [Heading(3, "GPU roles over time"), Image(plots["gpu-timeline"], "GPU timeline")]
     blocks += [Heading(3, "Throughput and training"), Image(plots["throughput"], "throughput")]
     blocks.append(_kv({**_flat(s["throughput"]), **_flat(s["training"])}))
+    blocks += [Heading(3, "Consumption and the staleness bound"), _kv(_flat(s["rollout"]))]
     blocks += [Heading(3, "GPU-hours and utilisation"), _kv(_flat(s["gpu_hours"]))]
     pd = s["pd"]
     blocks += [Heading(3, "PD mode and P:D ratio"), Image(plots["pd"], "PD configuration")]

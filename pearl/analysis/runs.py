@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from pearl.analysis.decisions import BorrowWindows, ElasticUse, PdTimeline
-from pearl.analysis.metrics import Batches, RunInfo, Throughput, Training
+from pearl.analysis.metrics import Batches, Consumption, RunInfo, Throughput, Training
 from pearl.analysis.timeline import GpuTimeline
 from pearl.io.documents import InputError
 from pearl.runlog.jsonl import ReadStats, read_records
@@ -93,6 +93,7 @@ class RunAnalysis:
     throughput: Throughput
     training: Training
     batches: Batches
+    consumption: Consumption
     pd: PdTimeline
     borrow: BorrowWindows
     elastic: ElasticUse
@@ -135,9 +136,12 @@ class RunAnalysis:
             "path": str(self.log.path),
             "run": self.info.summary(),
             "read": self.read_summary(),
-            "throughput": self.throughput.summary(self.info.duration_s),
+            "throughput": self.throughput.summary(
+                self.info.duration_s, self.consumption.taken_back
+            ),
             "training": self.training.summary(self.info.duration_s),
             "batches": self.batches.summary(),
+            "rollout": self.consumption.summary(),
             "gpu_hours": gpu_hours,
             "pd": self.pd.summary(),
             "borrow": self.borrow.summary(end_t, self.training.waits_s, self.max_return_delay_s),
@@ -156,6 +160,7 @@ def analyze_log(log: RunLog, max_return_delay_s: float | None = None) -> RunAnal
         throughput=Throughput(),
         training=Training(),
         batches=Batches(),
+        consumption=Consumption(),
         pd=PdTimeline(),
         borrow=BorrowWindows(),
         elastic=ElasticUse(),
@@ -168,6 +173,7 @@ def analyze_log(log: RunLog, max_return_delay_s: float | None = None) -> RunAnal
         run.throughput,
         run.training,
         run.batches,
+        run.consumption,
         run.pd,
         run.borrow,
         run.elastic,

@@ -218,6 +218,14 @@ class EngineModel:
     def cached_tokens(self, traj_id: str) -> int:
         return self.kv.cached_tokens(traj_id)
 
+    def request_ids(self) -> set[str]:
+        """Every request on this instance, queued or running."""
+        return set(self._by_id)
+
+    def generated_by_request(self) -> list[tuple[Request, int]]:
+        """Every request on this instance with the tokens it generated here so far."""
+        return [(seq.request, self.num_generated(rid)) for rid, seq in self._by_id.items()]
+
     # --- requests in and out ---------------------------------------------------------
 
     def submit(self, request: Request) -> None:

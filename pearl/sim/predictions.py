@@ -1,9 +1,10 @@
 """The predictor's accuracy, as a simulated run sees it.
 
-``PredictionLedger`` pairs each decision's predicted completion time with the time the
-run actually took to finish the same trajectories: those unfinished at the decision and
-those then allowed to start (trajectories start in order, so "all of them finished" is
-"every trajectory below an index finished").
+``PredictionLedger`` pairs each decision's predicted time with the time the run actually
+took to reach what was predicted. In-order batches: to finish the same trajectories,
+those unfinished at the decision and those then allowed to start (trajectories start in
+order, so "all of them finished" is "every trajectory below an index finished").
+First-completed batches: until the trainer's next batch is complete (``batch_ready``).
 """
 
 from __future__ import annotations
@@ -15,12 +16,24 @@ from collections import deque
 class PredictionLedger:
     def __init__(self) -> None:
         self._open: deque[tuple[float, int, float]] = deque()  # (t, last index, predicted)
+        self._batch: list[tuple[float, float]] = []  # (t, predicted)
         self.pairs: list[tuple[float, float]] = []  # (predicted s, actual s)
 
     def note(self, now_s: float, last_index: int, predicted_s: float) -> None:
         """A decision at ``now_s`` predicted ``predicted_s`` for trajectories 0..last."""
         if last_index >= 0 and math.isfinite(predicted_s):
             self._open.append((now_s, last_index, predicted_s))
+
+    def note_batch(self, now_s: float, predicted_s: float) -> None:
+        """A decision at ``now_s`` predicted the next batch complete ``predicted_s`` later."""
+        if math.isfinite(predicted_s):
+            self._batch.append((now_s, predicted_s))
+
+    def batch_ready(self, now_s: float) -> None:
+        """The next batch is complete at ``now_s``: every open batch prediction resolves."""
+        for t, predicted_s in self._batch:
+            self.pairs.append((predicted_s, now_s - t))
+        self._batch.clear()
 
     def finished_below(self, now_s: float, index: int) -> None:
         """Every trajectory below ``index`` has finished by ``now_s``."""

@@ -1,18 +1,27 @@
-"""Trajectories of an asynchronous rollout: batches, staleness, turns and their requests.
+"""The simulator's trajectories: its adapter over the rollout ledger (``pearl.rollout``).
 
-Trajectory ``j`` (numbered from 0 in the seeded stream) belongs to batch ``j // B``. The
-trainer consumes batch ``b`` to make policy version ``initial + b + 1``; batch ``b`` may
-start once the engines' newest version is at least ``initial + b - k`` (k = staleness), so
-with k = 1 one batch is generated ahead of the update that will consume it (ROLL's
-``async_generation_ratio: 1``). Trajectories start in order, as soon as their batch may.
+The ledger keeps the books (admission, groups, batches, versions, the staleness bound);
+this module keeps what only a simulator has: each trajectory's sampled future (its
+``TrajectorySpec``), its turn, context and requests, and the turn statistics a
+coordinator would observe.
+
+Trajectory ``j`` of the seeded stream (``trajectory_stream``) is sample ``j % g`` of group
+``j // g`` (g = ``group_size``); a group's samples share its first sample's prompt length.
+Groups are admitted whole, in stream order, as the ledger's capacity allows. A restarted
+trajectory (``past_bound: restart``) draws a fresh sample of the same prompt from its own
+generator, so restarts never shift the stream that every policy of a seed shares.
 
 A turn is one request: its prompt is the context so far (prompt, every earlier output
 and every observation up to this turn), its output the turn's sampled length. A request
 taken off an instance (drain, migration, a reclaimed node) continues elsewhere as a new request
 whose prompt includes the tokens generated so far: nothing is lost or generated twice.
+Every generated token is attributed to the weights' version that produced it: when it
+leaves an instance, when its turn ends, and at each update for the tokens on an engine
+(``attribute_on_engine``, before the engines load the new weights).
 
-Invariants: every started trajectory is finished or still tracked here (``in_flight``);
-``min_version`` is the oldest policy version whose engine generated any of its tokens.
+Invariants: every admitted trajectory is running (``in_flight``), finished, consumed or
+dropped in the ledger; ``request_id`` is the trajectory's one live request (an event of
+any other request of it is stale and ignored).
 """
 
 from __future__ import annotations
@@ -23,6 +32,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pearl.core.workload import TrajectoryProgress, TrajPhase, TurnStats, WorkloadSnapshot
+from pearl.rollout.ledger import ConsumedBatch, PastBoundOutcome, RolloutLedger
+from pearl.rollout.rules import Batching, RolloutRules
 from pearl.sim.engine import Request
 from pearl.sim.trajectories import TrajectoryModel, TrajectorySpec, sample_trajectories
 
@@ -33,54 +44,57 @@ MIN_OBSERVED = 32  # turns observed before the run's own statistics replace the 
 @dataclass
 class Trajectory:
     traj_id: str
-    batch_id: int
+    index: int  # position in the run's stream
+    group_id: int
     spec: TrajectorySpec
     started_s: float
     turn: int = 0
     context_tokens: int = 0  # prompt of the current turn (tokens generated so far excluded)
     generated_tokens: int = 0  # of the current turn, on instances it has left
+    attributed_tokens: int = 0  # of the current turn, attributed to a version
     phase: TrajPhase = TrajPhase.QUEUED
     env_started_s: float = 0.0
-    min_version: int = 1 << 30
     num_requests: int = 0
-
-    @property
-    def index(self) -> int:
-        """Position in the run's stream (trajectories start in this order)."""
-        return int(self.traj_id[1:])
+    request_id: str = ""  # its live request
 
     def next_request(self) -> Request:
         self.num_requests += 1
         rid = f"{self.traj_id}.{self.turn}.{self.num_requests}"
+        self.request_id = rid
         out = self.spec.output_tokens[self.turn] - self.generated_tokens
         return Request(rid, self.traj_id, self.context_tokens + self.generated_tokens, out)
 
 
 @dataclass
 class BatchRecord:
+    """One batch as the run log reports it: in-order, from its first trajectory's start;
+    first-completed, from the previous batch's consumption."""
+
     batch_id: int
     started_s: float | None = None
     completed_s: float | None = None
-    finished: int = 0
     predicted_s: float | None = None
+    finished: int = 0  # in-order: its trajectories finished
 
 
 @dataclass
 class Rollout:
-    """The seeded trajectory stream and every trajectory started from it."""
+    """The seeded trajectory stream, the ledger, and every trajectory running."""
 
     model: TrajectoryModel
     rng: np.random.Generator
-    batch_size: int
-    staleness_versions: int
-    initial_version: int
+    restart_rng: np.random.Generator
+    rules: RolloutRules
     max_context_tokens: int
     mean_env_s: float  # the model's mean tool latency, until the run has observed some
+    ledger: RolloutLedger = field(init=False)
     in_flight: dict[str, Trajectory] = field(default_factory=dict)
+    waiting: dict[str, Trajectory] = field(default_factory=dict)  # finished, not consumed
     batches: dict[int, BatchRecord] = field(default_factory=dict)
     num_started: int = 0
-    num_finished: int = 0
-    output_tokens: int = 0
+    num_finished: int = 0  # trajectories whose last turn ended (dropped ones included)
+    output_tokens: int = 0  # of completed turns
+    aborted_tokens: int = 0  # of turns aborted by a restart or a drop
     turns_done: int = 0
     sum_output_tokens: int = 0
     sum_observation_tokens: int = 0
@@ -91,43 +105,78 @@ class Rollout:
     sum_turns: int = 0  # of finished trajectories
     sumsq_turns: int = 0
     _stream: Iterator[TrajectorySpec] | None = None
+    _restarts: Iterator[TrajectorySpec] | None = None
 
-    def startable(self, engine_version: int) -> int:
-        """How many more trajectories may start with the engines at ``engine_version``."""
-        last_batch = engine_version - self.initial_version + self.staleness_versions
-        return max(0, (last_batch + 1) * self.batch_size - self.num_started)
+    def __post_init__(self) -> None:
+        self.ledger = RolloutLedger(self.rules)
+        if self.rules.batching is Batching.FIRST_COMPLETED:
+            self.batches[0] = BatchRecord(0, started_s=0.0)
 
-    def start(self, now_s: float) -> Trajectory:
+    @property
+    def in_order(self) -> bool:
+        return self.rules.batching is Batching.IN_ORDER
+
+    # --- admission -------------------------------------------------------------------------
+
+    def startable(self, version: int | None = None) -> int:
+        """How many more trajectories the rules admit now, or at weights ``version``."""
+        return self.ledger.capacity(version)
+
+    def start_group(self, now_s: float) -> list[Trajectory]:
         if self._stream is None:
-            self._stream = trajectory_stream(self.model, self.rng, self.max_context_tokens)
-        spec = next(self._stream)
-        j = self.num_started
-        self.num_started += 1
-        traj = Trajectory(f"t{j:07d}", j // self.batch_size, spec, now_s)
-        traj.context_tokens = spec.prompt_tokens
-        self.in_flight[traj.traj_id] = traj
-        batch = self.batches.setdefault(traj.batch_id, BatchRecord(traj.batch_id))
-        if batch.started_s is None:
-            batch.started_s = now_s
-        return traj
+            self._stream = trajectory_stream(
+                self.model, self.rng, self.max_context_tokens, self.rules.group_size
+            )
+        g = self.rules.group_size
+        j0 = self.num_started
+        trajs = [
+            Trajectory(f"t{j:07d}", j, j // g, next(self._stream), now_s) for j in range(j0, j0 + g)
+        ]
+        self.ledger.admit(tuple(t.traj_id for t in trajs), now_s)
+        for traj in trajs:
+            traj.context_tokens = traj.spec.prompt_tokens
+            self.in_flight[traj.traj_id] = traj
+        self.num_started += g
+        if self.in_order:
+            batch_id = j0 // self.rules.batch_trajectories
+            batch = self.batches.setdefault(batch_id, BatchRecord(batch_id))
+            if batch.started_s is None:
+                batch.started_s = now_s
+        return trajs
+
+    # --- tokens and turns ------------------------------------------------------------------
+
+    def _attribute(self, traj: Trajectory, turn_tokens: int, version: int) -> None:
+        """The current turn has generated ``turn_tokens``; the new ones are ``version``'s."""
+        self.ledger.generated(traj.traj_id, turn_tokens - traj.attributed_tokens, version)
+        traj.attributed_tokens = turn_tokens
 
     def turn_generated(self, traj: Trajectory, num_tokens: int, version: int) -> None:
         """Tokens of the current turn generated on an instance it is leaving or has left."""
         traj.generated_tokens += num_tokens
-        if num_tokens:
-            traj.min_version = min(traj.min_version, version)
+        self._attribute(traj, traj.generated_tokens, version)
+
+    def attribute_on_engine(self, traj: Trajectory, on_engine_tokens: int, version: int) -> None:
+        """Before an update's weights load: the tokens of its live request on an engine."""
+        self._attribute(traj, traj.generated_tokens + on_engine_tokens, version)
+
+    def sent(self, traj: Trajectory) -> None:
+        """Its live request reached an engine's queue (or was parked for one)."""
+        self.ledger.sent(traj.traj_id)
 
     def finish_turn(self, traj: Trajectory, now_s: float, version: int) -> float | None:
         """The turn's output is complete: the tool's end time, or None if it was the last."""
         out = traj.spec.output_tokens[traj.turn]
-        traj.min_version = min(traj.min_version, version)
+        self._attribute(traj, out, version)
         traj.context_tokens += out
-        traj.generated_tokens = 0
+        traj.generated_tokens = traj.attributed_tokens = 0
         self.output_tokens += out
         self.turns_done += 1
         self.sum_output_tokens += out
         self.sumsq_output_tokens += out * out
-        if traj.turn + 1 == traj.spec.num_turns:
+        last = traj.turn + 1 == traj.spec.num_turns
+        self.ledger.turn_ended(traj.traj_id, now_s, last)
+        if last:
             return None
         latency_s = traj.spec.tool_latency_s[traj.turn]
         self.sum_env_s += latency_s
@@ -141,28 +190,96 @@ class Rollout:
         traj.env_started_s = now_s
         return now_s + latency_s
 
-    def finish(self, traj: Trajectory, now_s: float) -> BatchRecord:
+    def finish(self, traj: Trajectory, now_s: float) -> BatchRecord | None:
+        """Its last turn ended; the batch record it completed, if any."""
         del self.in_flight[traj.traj_id]
+        self.waiting[traj.traj_id] = traj
         self.num_finished += 1
         self.sum_turns += traj.spec.num_turns
         self.sumsq_turns += traj.spec.num_turns**2
-        batch = self.batches[traj.batch_id]
-        batch.finished += 1
-        if batch.finished == self.batch_size:
-            batch.completed_s = now_s
+        if not self.in_order:
+            return self.completed(now_s)
+        batch = self.batches[traj.index // self.rules.batch_trajectories]
+        batch.finished += 1  # in-order: nothing is restarted or dropped
+        if batch.finished < self.rules.batch_trajectories:
+            return None
+        batch.completed_s = now_s
         return batch
 
+    def completed(self, now_s: float) -> BatchRecord | None:
+        """First-completed: the open batch record, stamped the first time the next batch is
+        complete (after a trajectory finished, a batch was taken or an update ended)."""
+        if self.in_order:
+            return None
+        batch_id = self.ledger.totals.batches
+        batch = self.batches.get(batch_id)
+        if batch is None or batch.completed_s is not None or not self.ledger.batch_ready():
+            return None
+        batch.completed_s = now_s
+        return batch
+
+    # --- batches and updates ---------------------------------------------------------------
+
+    def take_batch(self, now_s: float) -> ConsumedBatch:
+        batch = self.ledger.take_batch(now_s)
+        for traj_id in batch.traj_ids:
+            del self.waiting[traj_id]
+        if not self.in_order:
+            following = BatchRecord(batch.batch_id + 1, started_s=now_s)
+            self.batches[following.batch_id] = following
+        return batch
+
+    def updated(self, now_s: float, version: int) -> tuple[PastBoundOutcome, list[str]]:
+        """An update ended: the ledger's past-bound rule. Restarted trajectories are reset
+        to their prompt with a fresh sample, dropped ones leave; with the outcome, the live
+        requests of both, which the world must abort."""
+        outcome = self.ledger.updated(now_s, version)
+        stale = []
+        for traj_id in (*outcome.dropped, *outcome.restarted):
+            traj = self.in_flight.get(traj_id)
+            if traj is not None and traj.request_id:
+                stale.append(traj.request_id)
+                self.aborted_tokens += traj.attributed_tokens
+        for traj_id in outcome.dropped:
+            if self.in_flight.pop(traj_id, None) is None:
+                del self.waiting[traj_id]
+        for traj_id in outcome.restarted:
+            traj = self.in_flight.get(traj_id)
+            if traj is None:  # it had finished: it runs again
+                traj = self.in_flight[traj_id] = self.waiting.pop(traj_id)
+            self._restart(traj, now_s)
+        return outcome, stale
+
+    def _restart(self, traj: Trajectory, now_s: float) -> None:
+        if self._restarts is None:
+            self._restarts = trajectory_stream(
+                self.model, self.restart_rng, self.max_context_tokens
+            )
+        fresh = next(self._restarts)  # a fresh sample of the same prompt
+        prompt = traj.spec.prompt_tokens
+        traj.spec = fitted(
+            TrajectorySpec(prompt, fresh.new_tokens, fresh.output_tokens, fresh.tool_latency_s),
+            self.max_context_tokens,
+        )
+        traj.turn = 0
+        traj.context_tokens = traj.spec.prompt_tokens
+        traj.generated_tokens = traj.attributed_tokens = 0
+        traj.phase = TrajPhase.QUEUED
+        traj.started_s = now_s
+
+    # --- what the predictor sees -----------------------------------------------------------
+
     def snapshot(
-        self, now_s: float, engine_version: int, turns_left: tuple[float, ...]
+        self, now_s: float, version: int, turns_left: tuple[float, ...]
     ) -> WorkloadSnapshot:
-        """The unfinished trajectories as the predictor sees them (not-started ones counted)."""
+        """The running trajectories as the predictor sees them (admissible ones counted)."""
         mean_env_s = self.sum_env_s / self.env_steps if self.env_steps else self.mean_env_s
         progress = [
             self._progress(t, now_s, turns_left, mean_env_s) for t in self.in_flight.values()
         ]
         return WorkloadSnapshot(
             trajectories=tuple(progress),
-            not_started=self.startable(engine_version),
+            not_started=self.startable(version),
             stats=self.turn_stats(),
         )
 
@@ -211,20 +328,36 @@ class Rollout:
         )
 
 
+def fitted(spec: TrajectorySpec, max_context_tokens: int) -> TrajectorySpec:
+    """The spec with its prompt clipped so that the whole trajectory fits the context."""
+    excess = spec.total_tokens - max_context_tokens
+    if excess <= 0:
+        return spec
+    prompt = max(1, spec.prompt_tokens - excess)
+    return TrajectorySpec(prompt, spec.new_tokens, spec.output_tokens, spec.tool_latency_s)
+
+
 def trajectory_stream(
-    model: TrajectoryModel, rng: np.random.Generator, max_context_tokens: int
+    model: TrajectoryModel,
+    rng: np.random.Generator,
+    max_context_tokens: int,
+    group_size: int = 1,
 ) -> Iterator[TrajectorySpec]:
-    """The run's trajectories in order, drawn in chunks; prompts clipped so that a whole
-    trajectory fits the model's context. The same generator state gives the same stream."""
+    """The run's trajectories in order, drawn in chunks: the samples of each group of
+    ``group_size`` share its first sample's prompt length, and each is clipped to fit the
+    model's context. The same generator state gives the same stream."""
+    index = 0
+    prompt = 0
     while True:
         for spec in sample_trajectories(model, rng, _CHUNK):
-            excess = spec.total_tokens - max_context_tokens
-            if excess > 0:
-                prompt = max(1, spec.prompt_tokens - excess)
+            if index % group_size == 0:
+                prompt = spec.prompt_tokens
+            elif spec.prompt_tokens != prompt:
                 spec = TrajectorySpec(
                     prompt, spec.new_tokens, spec.output_tokens, spec.tool_latency_s
                 )
-            yield spec
+            index += 1
+            yield fitted(spec, max_context_tokens)
 
 
 def _sd(total: float, total_sq: float, n: int) -> float:

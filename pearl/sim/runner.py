@@ -55,7 +55,9 @@ from pearl.core.workload import TrajPhase
 from pearl.runlog.records import BorrowRecords, decision_record, state_records
 from pearl.runlog.schema import (
     BatchCompleted,
+    BatchConsumed,
     BorrowChanged,
+    PastBoundApplied,
     Record,
     RunEnded,
     RunStarted,
@@ -69,9 +71,9 @@ from pearl.sim.engine import KvHandoff, PartialOutput, Request, kv_transfer_s
 from pearl.sim.events import EventLoop
 from pearl.sim.execution import PlanExecution
 from pearl.sim.fleet import Fleet, Instance, handoff_request
-from pearl.sim.metrics import GpuClock, RunMetrics
+from pearl.sim.metrics import GpuClock, RunMetrics, rollout_figures
 from pearl.sim.predictions import PredictionLedger
-from pearl.sim.rollout import Rollout, Trajectory
+from pearl.sim.rollout import BatchRecord, Rollout, Trajectory
 from pearl.sim.scenario import Scenario
 from pearl.sim.slurm import SlurmModel
 from pearl.sim.states import initial_state, synced
@@ -108,7 +110,12 @@ class RunInputs:
 
 def trajectory_rng(seed: int) -> np.random.Generator:
     """The generator of a run's trajectory stream (the oracle draws the same stream)."""
-    return np.random.default_rng(np.random.SeedSequence(seed).spawn(2)[0])
+    return np.random.default_rng(np.random.SeedSequence(seed).spawn(3)[0])
+
+
+def restart_rng(seed: int) -> np.random.Generator:
+    """The generator of restarted trajectories' fresh samples (never the shared stream)."""
+    return np.random.default_rng(np.random.SeedSequence(seed).spawn(3)[2])
 
 
 class Simulation:
@@ -120,9 +127,8 @@ class Simulation:
         self.rollout = Rollout(
             inputs.trajectory_model,
             trajectory_rng(inputs.seed),
-            sc.rollout.batch_trajectories,
-            sc.rollout.staleness_versions,
-            sc.rollout.initial_policy_version,
+            restart_rng(inputs.seed),
+            sc.rollout.rules(),
             sc.rollout.max_context_tokens,
             means(inputs.trajectory_model).env_latency_s,
         )
@@ -133,7 +139,7 @@ class Simulation:
             queue_delay_median_s=el.queue_delay_median_s,
             queue_delay_sigma=el.queue_delay_sigma,
             grace_s=el.grace_s,
-            rng=np.random.default_rng(np.random.SeedSequence(inputs.seed).spawn(2)[1]),
+            rng=np.random.default_rng(np.random.SeedSequence(inputs.seed).spawn(3)[1]),
         )
         self.elastic = ElasticAllocations(slurm, self.take_off_nodes, self.log)
         self.loop: EventLoop[SimEvent] = EventLoop()
@@ -146,7 +152,6 @@ class Simulation:
         self.trainer_gpus = sum(1 for g in self.state.gpus if g.source is GpuSource.BASE_TRAIN)
         self.trainer_present = self.trainer_gpus
         self.training = False
-        self.next_batch = 0
         self.needs_since_s: float | None = None
         self.executor = Executor(self, AllocationIds())
         self.plan: PlanExecution | None = None
@@ -160,6 +165,7 @@ class Simulation:
         self.transitions = 0
         self.decisions = 0
         self.ledger = PredictionLedger()
+        self.staleness: list[int] = []  # of each consumed batch, its stalest trajectory
         self.borrows = BorrowRecords()
         self.handlers: dict[type[SimEvent], Callable[[Any, float], Follow]] = {
             StartTrajectories: lambda _, now_s: self._start_trajectories(now_s),
@@ -259,12 +265,20 @@ class Simulation:
         result = self.fleet.end_step(inst)
         out: Follow = []
         for h in result.handoffs:
-            traj = self.rollout.in_flight[h.request.traj_id]
-            out += self._send_handoff(traj, h, inst, start_s + h.ready_offset_s)
+            traj = self._live(h.request)
+            if traj is not None:
+                out += self._send_handoff(traj, h, inst, start_s + h.ready_offset_s)
         for f in result.finished:
-            traj = self.rollout.in_flight[f.request.traj_id]
-            out += self._turn_done(traj, start_s + f.finish_offset_s, inst.weights_version)
+            traj = self._live(f.request)
+            if traj is not None:
+                out += self._turn_done(traj, start_s + f.finish_offset_s, inst.weights_version)
         return out
+
+    def _live(self, request: Request) -> Trajectory | None:
+        """The request's trajectory, if the request is still its live one (a restart or a
+        drop at an update leaves the old request's events stale)."""
+        traj = self.rollout.in_flight.get(request.traj_id)
+        return traj if traj is not None and traj.request_id == request.request_id else None
 
     def take_off_nodes(self, nodes: set[str], now_s: float) -> Follow:
         out: Follow = []
@@ -303,29 +317,40 @@ class Simulation:
         if tool_end_s is not None:
             return self._submit(traj, tool_end_s)
         batch = self.rollout.finish(traj, at_s)
+        min_version = self.rollout.ledger.trajectories[traj.traj_id].min_version
+        assert min_version is not None, "a finished turn generated a token"
         self.log(
             TrajectoryFinished.model_construct(
                 t=at_s,
                 traj_id=traj.traj_id,
-                batch_id=traj.batch_id,
+                batch_id=traj.index // self.rollout.rules.batch_trajectories
+                if self.rollout.in_order
+                else None,
                 num_turns=traj.spec.num_turns,
                 output_tokens=sum(traj.spec.output_tokens),
-                min_policy_version=traj.min_version,
+                min_policy_version=min_version,
             )
         )
-        first = next(iter(self.rollout.in_flight.values()), None)
-        self.ledger.finished_below(at_s, first.index if first else self.rollout.num_started)
-        if batch.completed_s is not None:
-            self.log(
-                BatchCompleted.model_construct(
-                    t=at_s,
-                    batch_id=batch.batch_id,
-                    started_t=batch.started_s or 0.0,
-                    predicted_s=batch.predicted_s,
-                )
+        if self.rollout.in_order:
+            first = next(iter(self.rollout.in_flight.values()), None)
+            self.ledger.finished_below(at_s, first.index if first else self.rollout.num_started)
+        return self._batch_complete(batch, at_s)
+
+    def _batch_complete(self, batch: BatchRecord | None, now_s: float) -> Follow:
+        """The next batch has just become complete (``batch``), or nothing happened."""
+        if batch is None:
+            return []
+        self.log(
+            BatchCompleted.model_construct(
+                t=now_s,
+                batch_id=batch.batch_id,
+                started_t=batch.started_s or 0.0,
+                predicted_s=batch.predicted_s,
             )
-            return self._maybe_train(at_s)
-        return []
+        )
+        if not self.rollout.in_order:
+            self.ledger.batch_ready(now_s)
+        return self._maybe_train(now_s)
 
     def _submit(self, traj: Trajectory, at_s: float) -> Follow:
         """Send the trajectory's current turn (what is left of it) to an instance at ``at_s``."""
@@ -339,9 +364,12 @@ class Simulation:
         return self._arrive(ev.request, ev.instance, now_s)
 
     def _arrive(self, req: Request, inst: Instance | None, now_s: float) -> Follow:
-        traj = self.rollout.in_flight[req.traj_id]
         if inst is not None:
             self.fleet.arrive(inst)
+        traj = self._live(req)
+        if traj is None:
+            return []
+        self.rollout.sent(traj)
         if inst is None or not self.fleet.accepts(inst):
             if req.kv_ready_tokens:  # its KV went to an instance that left: start over
                 return self._submit(traj, now_s)
@@ -357,7 +385,8 @@ class Simulation:
         """Requests taken off an instance continue elsewhere with what they generated."""
         out: Follow = []
         for p in partials:
-            traj = self.rollout.in_flight[p.request.traj_id]
+            traj = self._live(p.request)
+            assert traj is not None, "stale requests are aborted at once"
             self.rollout.turn_generated(traj, p.num_generated_tokens, version)
             out += self._submit(traj, now_s)
         return out
@@ -373,16 +402,13 @@ class Simulation:
 
     def _start_trajectories(self, now_s: float) -> Follow:
         out: Follow = []
-        for _ in range(self.rollout.startable(self.version)):
-            out += self._submit(self.rollout.start(now_s), now_s)
+        for _ in range(self.rollout.startable() // self.rollout.rules.group_size):
+            for traj in self.rollout.start_group(now_s):
+                out += self._submit(traj, now_s)
         return out
 
-    def _batch_ready(self) -> bool:
-        b = self.rollout.batches.get(self.next_batch)
-        return b is not None and b.completed_s is not None
-
     def _maybe_train(self, now_s: float) -> Follow:
-        if self.training or not self._batch_ready():
+        if self.training or not self.rollout.ledger.batch_ready():
             return []
         if self.trainer_present < self.trainer_gpus:
             if self.needs_since_s is None:
@@ -394,10 +420,25 @@ class Simulation:
         self.policy.on_train_step(waited_s)
         self.needs_since_s = None
         self.training = True
-        return [
+        batch = self.rollout.take_batch(now_s)
+        self.log(
+            BatchConsumed.model_construct(
+                t=now_s,
+                batch_id=batch.batch_id,
+                policy_version=batch.version,
+                trajectories=len(batch.traj_ids),
+                output_tokens=batch.tokens,
+                off_policy_tokens=batch.off_policy_tokens,
+                max_staleness_versions=batch.max_staleness_versions,
+                mean_staleness_versions=batch.mean_staleness_versions,
+            )
+        )
+        self.staleness.append(batch.max_staleness_versions)
+        out: Follow = [
             (now_s + self.train_step_s, TrainDone(now_s, waited_s)),
             (now_s, Decide("trainer started an update")),
         ]
+        return out + self._batch_complete(self.rollout.completed(now_s), now_s)
 
     def _on_train_done(self, ev: TrainDone, now_s: float) -> Follow:
         started_s, waited_s = ev.started_s, ev.waited_s
@@ -412,7 +453,6 @@ class Simulation:
             )
         )
         self.train_steps += 1
-        self.next_batch += 1
         self.version += 1
         self.state = synced(self.state, self.version)
         out: Follow = []
@@ -420,13 +460,55 @@ class Simulation:
             sync_s = self.profile.costs.weight_sync_s
             pause_s = now_s + sync_s
             for inst in self.fleet.instances.values():
+                self._attribute_on_engine(inst)
                 inst.weights_version = self.version
                 inst.paused_until_s = max(pause_s, (inst.busy_until_s or now_s) + sync_s)
                 out.append((inst.paused_until_s, Kick(inst)))
+        out += self._past_bound(now_s)
         out += self._start_trajectories(now_s)
         out += self._maybe_train(now_s)
         out.append((now_s, Decide("trainer waiting")))
         return out
+
+    def _attribute_on_engine(self, inst: Instance) -> None:
+        """The tokens its live requests generated so far are its current weights': those on
+        its engine and those its step in flight finishes."""
+        done = inst.result.finished if inst.result is not None else ()
+        on_engine = inst.engine.generated_by_request()
+        for request, num_tokens in [
+            *on_engine,
+            *((f.request, f.request.output_tokens) for f in done),
+        ]:
+            traj = self._live(request)
+            if traj is not None and num_tokens:
+                self.rollout.attribute_on_engine(traj, num_tokens, inst.weights_version)
+
+    def _past_bound(self, now_s: float) -> Follow:
+        """The update's past-bound rule: abort what it restarts or drops, resend restarts."""
+        outcome, stale = self.rollout.updated(now_s, self.version)
+        if outcome.empty:
+            return []
+        self.log(
+            PastBoundApplied.model_construct(
+                t=now_s,
+                policy_version=outcome.version,
+                mode=self.rollout.rules.past_bound.value,
+                interrupted=len(outcome.interrupted),
+                restarted=len(outcome.restarted),
+                dropped=len(outcome.dropped),
+                wasted_tokens=outcome.wasted_tokens,
+                taken_back=outcome.taken_back,
+            )
+        )
+        gone = set(stale)
+        for inst in self.fleet.instances.values():
+            for request_id in inst.engine.request_ids() & gone:
+                inst.engine.abort(request_id)
+        self.fleet.parked = [r for r in self.fleet.parked if r.request_id not in gone]
+        out: Follow = []
+        for traj_id in outcome.restarted:
+            out += self._submit(self.rollout.in_flight[traj_id], now_s)
+        return out + self._batch_complete(self.rollout.completed(now_s), now_s)
 
     def trainer_gpus_changed(self, now_s: float, delta: int) -> Follow:
         self.trainer_present += delta
@@ -532,8 +614,12 @@ class Simulation:
     def _note_prediction(self, now_s: float, num_unfinished: int, predicted_s: float) -> None:
         if not num_unfinished or not math.isfinite(predicted_s):
             return
-        last = self.rollout.num_started + self.rollout.startable(self._version_soon()) - 1
-        self.ledger.note(now_s, last, predicted_s)
+        if not self.rollout.in_order:
+            if not self.rollout.ledger.batch_ready():
+                self.ledger.note_batch(now_s, predicted_s)
+        else:
+            last = self.rollout.num_started + self.rollout.startable(self._version_soon()) - 1
+            self.ledger.note(now_s, last, predicted_s)
         for batch in self.rollout.batches.values():  # its duration, as first predicted
             if batch.predicted_s is None and batch.started_s is not None:
                 batch.predicted_s = now_s + predicted_s - batch.started_s
@@ -551,7 +637,7 @@ class Simulation:
             policy=self.policy.name,
             seed=self.inputs.seed,
             duration_s=end_s,
-            trajectories=self.rollout.num_finished,
+            trajectories=self.rollout.ledger.num_accepted,
             unfinished=len(self.rollout.in_flight),
             output_tokens=self.rollout.output_tokens,
             train_steps=self.train_steps,
@@ -564,6 +650,7 @@ class Simulation:
             decisions=self.decisions,
             num_events=self.loop.num_processed,
             predictions=tuple(self.ledger.pairs),
+            rollout=rollout_figures(self.rollout.ledger.totals, self.staleness),
         )
 
 

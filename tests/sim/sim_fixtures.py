@@ -46,8 +46,13 @@ def scenario_dict(
     grace_s: float = 30.0,
     queue_delay_median_s: float = 5.0,
     max_return_delay_s: float = 30.0,
+    batching: str = "in-order",
+    past_bound: str = "interrupt",
+    group_size: int = 1,
 ) -> dict[str, Any]:
-    """A small scenario as a document (also written as YAML by the CLI test)."""
+    """A small scenario as a document (also written as YAML by the CLI test). In-order
+    batches unless told: the tests of policies were written for them; the rollout's own
+    rules are tested under every setting (``busy_run``'s ``rules``)."""
     el: dict[str, Any] = {"source": "none"}
     if elastic:
         # Synthetic is the only source that needs no trace; the tests pass their own
@@ -78,6 +83,9 @@ def scenario_dict(
             "batch_trajectories": batch,
             "staleness_versions": staleness,
             "max_context_tokens": 32768,
+            "batching": batching,
+            "past_bound": past_bound,
+            "group_size": group_size,
         },
         "training": {"train_step_s": train_step_s},
         "policy": {
@@ -199,16 +207,34 @@ def busy_model() -> TrajectoryModel:
     )
 
 
-def busy_inputs(seed: int = 0) -> RunInputs:
+# Rollout rules the busy runs are repeated under: (batching, past_bound, group_size).
+IN_ORDER = ("in-order", "interrupt", 1)
+RULES = [
+    IN_ORDER,
+    ("first-completed", "interrupt", 4),
+    ("first-completed", "restart", 1),
+    ("first-completed", "drop", 4),
+]
+
+
+def busy_inputs(seed: int = 0, rules: tuple[str, str, int] = IN_ORDER) -> RunInputs:
     """B = 256 on one rollout node, elastic windows that end mid-run (preemption)."""
-    sc = scenario(elastic=True, batch=256, train_step_s=10.0)
+    batching, past_bound, group_size = rules
+    sc = scenario(
+        elastic=True,
+        batch=256,
+        train_step_s=10.0,
+        batching=batching,
+        past_bound=past_bound,
+        group_size=group_size,
+    )
     return inputs(sc, model=busy_model(), windows=PREEMPTED_WINDOWS, seed=seed)
 
 
 @cache
-def busy_run(policy: str, seed: int = 0) -> Run:
-    """``run(busy_inputs(seed), policy)``, shared by the test modules (treat as read-only)."""
-    return run(busy_inputs(seed), policy)
+def busy_run(policy: str, seed: int = 0, rules: tuple[str, str, int] = IN_ORDER) -> Run:
+    """``run(busy_inputs(seed, rules), policy)``, shared by the test modules (read-only)."""
+    return run(busy_inputs(seed, rules), policy)
 
 
 def of_type(records: Sequence[Record], type_: str) -> list[Any]:

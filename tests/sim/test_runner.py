@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 import sim_fixtures as F
 
+from pearl.rollout.ledger import TrajState
 from pearl.runlog.schema import encode
 from pearl.sim.baselines import RUN_POLICIES, make_policy
+from pearl.sim.engine import Request
 from pearl.sim.kv_cache import BLOCK_TOKENS
 from pearl.sim.rollout import trajectory_stream
 from pearl.sim.runner import RunInputs, Simulation, simulate, trajectory_rng
@@ -108,103 +110,175 @@ def test_progress_reaches_one() -> None:
 # --- conservation --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("policy", RUN_POLICIES)
-def test_started_trajectories_are_finished_or_unfinished(policy: str) -> None:
-    r = F.busy_run(policy)
+# Every policy under in-order batches; two policies (one that switches PD, one that lends
+# the trainer) under each other rollout rule.
+CASES = [(p, F.IN_ORDER) for p in RUN_POLICIES] + [
+    (p, rules) for rules in F.RULES[1:] for p in ("pearl", "roll-partial")
+]
+CASE_IDS = [f"{p}-{b}-{m}-g{g}" for p, (b, m, g) in CASES]
+
+
+@pytest.mark.parametrize(("policy", "rules"), CASES, ids=CASE_IDS)
+def test_admitted_trajectories_are_running_finished_consumed_or_dropped(
+    policy: str, rules: tuple[str, str, int]
+) -> None:
+    r = F.busy_run(policy, 0, rules)
     ro, m = r.sim.rollout, r.metrics
-    assert ro.num_started == ro.num_finished + len(ro.in_flight)
-    assert (m.trajectories, m.unfinished) == (ro.num_finished, len(ro.in_flight))
-    ids = [rec.traj_id for rec in F.of_type(r.records, "trajectory_finished")]
-    assert len(ids) == len(set(ids)) == m.trajectories
-    assert not set(ids) & set(ro.in_flight)
-    # trajectories start in stream order: the finished and unfinished are t0 .. t(n-1)
-    assert set(ids) | set(ro.in_flight) == {f"t{j:07d}" for j in range(ro.num_started)}
-    assert m.trajectories > 0
+    ledger = ro.ledger
+    ledger.check()
+    assert ro.num_started == ledger.totals.admitted
+    by_state = {
+        s: {t for t, rec in ledger.trajectories.items() if rec.state is s} for s in TrajState
+    }
+    assert (
+        set(ro.in_flight)
+        == by_state[TrajState.QUEUED] | by_state[TrajState.GENERATING] | by_state[TrajState.IN_ENV]
+    )
+    assert set(ro.waiting) == by_state[TrajState.FINISHED]
+    assert m.trajectories == len(by_state[TrajState.FINISHED]) + len(by_state[TrajState.CONSUMED])
+    assert m.unfinished == len(ro.in_flight)
+    # trajectories start in stream order: t0 .. t(n-1), each admitted once
+    assert set(ledger.trajectories) == {f"t{j:07d}" for j in range(ro.num_started)}
+    finished = [rec.traj_id for rec in F.of_type(r.records, "trajectory_finished")]
+    restarted = {t for t, rec in ledger.trajectories.items() if rec.restarts}
+    assert len(finished) - len(set(finished)) <= len(restarted)  # only a restart finishes twice
+    assert by_state[TrajState.CONSUMED] <= set(finished)
+    consumed = F.of_type(r.records, "batch_consumed")
+    assert (
+        sum(b.trajectories for b in consumed)
+        == m.rollout.consumed
+        == len(by_state[TrajState.CONSUMED])
+    )
+    assert m.train_steps > 0 and m.rollout.consumed > 0
 
 
-@pytest.mark.parametrize("policy", RUN_POLICIES)
-def test_finished_trajectories_are_their_stream_specs(policy: str) -> None:
-    r = F.busy_run(policy)
+@pytest.mark.parametrize(("policy", "rules"), CASES, ids=CASE_IDS)
+def test_finished_trajectories_are_their_stream_specs(
+    policy: str, rules: tuple[str, str, int]
+) -> None:
+    r = F.busy_run(policy, 0, rules)
     sc = r.sim.inputs.scenario
+    g = sc.rollout.group_size
     stream = trajectory_stream(
-        r.sim.inputs.trajectory_model, trajectory_rng(0), sc.rollout.max_context_tokens
+        r.sim.inputs.trajectory_model, trajectory_rng(0), sc.rollout.max_context_tokens, g
     )
     specs = [next(stream) for _ in range(r.sim.rollout.num_started)]
+    restarted = {t for t, rec in r.sim.rollout.ledger.trajectories.items() if rec.restarts}
+    checked = 0
     for rec in F.of_type(r.records, "trajectory_finished"):
-        spec = specs[int(rec.traj_id[1:])]
+        j = int(rec.traj_id[1:])
+        if rec.traj_id in restarted:  # a fresh sample of the same prompt
+            continue
+        spec = specs[j]
         assert (rec.num_turns, rec.output_tokens) == (spec.num_turns, sum(spec.output_tokens))
-        assert rec.batch_id == int(rec.traj_id[1:]) // sc.rollout.batch_trajectories
+        if sc.rollout.batching == "in-order":
+            assert rec.batch_id == j // sc.rollout.batch_trajectories
+        else:
+            assert rec.batch_id is None
+        checked += 1
+    assert checked > 0
+    for j in range(0, len(specs), g):  # a group's samples share their prompt (clipped alone)
+        assert len({s.prompt_tokens for s in specs[j : j + g]}) == 1 or any(
+            s.total_tokens >= sc.rollout.max_context_tokens for s in specs[j : j + g]
+        )
 
 
 def _somewhere(sim: Simulation) -> dict[str, list[str]]:
-    """Where each in-flight trajectory's current turn is: on an engine, in a step that
-    is running, parked, or on its way to an instance (tool call or KV transfer)."""
+    """Where each running trajectory's live request is: on an engine, in a step that is
+    running, parked, or on its way to an instance (tool call or KV transfer). Requests a
+    restart or a drop left behind (stale) are not counted."""
     places: dict[str, list[str]] = {}
+
+    def note(request: Request, where: str) -> None:
+        traj = sim.rollout.in_flight.get(request.traj_id)
+        if traj is not None and traj.request_id == request.request_id:
+            places.setdefault(request.traj_id, []).append(where)
+
     for inst in sim.fleet.instances.values():
         for seq in inst.engine._by_id.values():
-            places.setdefault(seq.request.traj_id, []).append(f"engine {inst.worker_id}")
+            note(seq.request, f"engine {inst.worker_id}")
         if inst.result is not None:
             for f in inst.result.finished:
-                places.setdefault(f.request.traj_id, []).append(f"finishing {inst.worker_id}")
+                note(f.request, f"finishing {inst.worker_id}")
             for h in inst.result.handoffs:
-                places.setdefault(h.request.traj_id, []).append(f"handoff {inst.worker_id}")
+                note(h.request, f"handoff {inst.worker_id}")
     for req in sim.fleet.parked:
-        places.setdefault(req.traj_id, []).append("parked")
+        note(req, "parked")
     for item in sim.loop._heap:
         if isinstance(item.event, Arrive):
-            places.setdefault(item.event.request.traj_id, []).append(f"arriving {item.time_s}")
+            note(item.event.request, f"arriving {item.time_s}")
     return places
 
 
-@pytest.mark.parametrize("policy", RUN_POLICIES)
-def test_no_trajectory_is_lost(policy: str) -> None:
-    r = F.busy_run(policy)
+@pytest.mark.parametrize(("policy", "rules"), CASES, ids=CASE_IDS)
+def test_no_trajectory_is_lost(policy: str, rules: tuple[str, str, int]) -> None:
+    r = F.busy_run(policy, 0, rules)
     places = _somewhere(r.sim)
     lost = sorted(set(r.sim.rollout.in_flight) - set(places))
     assert lost == []
     assert {t: p for t, p in places.items() if len(p) > 1} == {}  # and none is in two places
 
 
-@pytest.mark.parametrize("policy", RUN_POLICIES)
-def test_every_generated_token_is_accounted_for(policy: str) -> None:
-    # What the engines generated = outputs of completed turns + what in-flight turns have
+@pytest.mark.parametrize(("policy", "rules"), CASES, ids=CASE_IDS)
+def test_every_generated_token_is_accounted_for(policy: str, rules: tuple[str, str, int]) -> None:
+    # What the engines generated = outputs of completed turns + what running turns have
     # generated so far (on instances they left, on their engine, or in a running step that
-    # finishes them). A token generated twice (a migration that forgot the partial output)
-    # or lost (a finished turn dropped) breaks the equality.
-    r = F.busy_run(policy)
+    # finishes them) + the partial turns a restart or a drop aborted. A token generated
+    # twice (a migration that forgot the partial output) or lost breaks the equality.
+    r = F.busy_run(policy, 0, rules)
     sim = r.sim
+
+    def live(request: Request) -> bool:
+        traj = sim.rollout.in_flight.get(request.traj_id)
+        return traj is not None and traj.request_id == request.request_id
+
     in_flight = sum(t.generated_tokens for t in sim.rollout.in_flight.values())
     on_engines = sum(
         inst.engine.num_generated(rid)
         for inst in sim.fleet.instances.values()
-        for rid in inst.engine._by_id
+        for rid, seq in inst.engine._by_id.items()
+        if live(seq.request)
     )
     finishing = sum(
         f.request.output_tokens
         for inst in sim.fleet.instances.values()
         if inst.result is not None
         for f in inst.result.finished
+        if live(f.request)
     )
-    assert r.generated_tokens == sim.rollout.output_tokens + in_flight + on_engines + finishing
+    aborted = sim.rollout.aborted_tokens
+    assert (
+        r.generated_tokens
+        == sim.rollout.output_tokens + in_flight + on_engines + finishing + aborted
+    )
     assert sim.rollout.output_tokens == r.metrics.output_tokens
+    if rules[1] == "interrupt" or rules == F.IN_ORDER:
+        assert r.metrics.rollout.dropped == 0
 
 
-@pytest.mark.parametrize("policy", RUN_POLICIES)
-def test_the_trainer_keeps_training(policy: str) -> None:
-    # With B = 256 and one batch ahead (k = 1), at most 512 trajectories are started and not
-    # consumed: more than that unfinished at the end means a batch never completed.
-    r = F.busy_run(policy)
+@pytest.mark.parametrize(("policy", "rules"), CASES, ids=CASE_IDS)
+def test_the_trainer_keeps_training(policy: str, rules: tuple[str, str, int]) -> None:
+    # With B = 256 and a staleness bound of 1, at most 512 trajectories are admitted and
+    # not accepted (finished, not dropped) beyond what the updates allow: more than that
+    # means a batch never completed.
+    r = F.busy_run(policy, 0, rules)
     k, b = 1, 256
-    assert r.sim.rollout.num_started <= (r.metrics.train_steps + k + 1) * b
-    stuck = [
-        bid
-        for bid, batch in r.sim.rollout.batches.items()
-        if batch.completed_s is None
-        and bid < r.sim.next_batch + k
-        and batch.started_s is not None
-        and batch.started_s < r.metrics.duration_s - 300.0
-    ]
-    assert stuck == []
+    ledger = r.sim.rollout.ledger
+    assert ledger.num_accepted + ledger.num_running <= (r.metrics.train_steps + k + 1) * b
+    if rules == F.IN_ORDER:
+        stuck = [
+            bid
+            for bid, batch in r.sim.rollout.batches.items()
+            if batch.completed_s is None
+            and bid < ledger.totals.batches + k
+            and batch.started_s is not None
+            and batch.started_s < r.metrics.duration_s - 300.0
+        ]
+        assert stuck == []
+    consumed = F.of_type(r.records, "batch_consumed")
+    assert len(consumed) in (r.metrics.train_steps, r.metrics.train_steps + 1)
+    assert all(c.max_staleness_versions <= k for c in consumed)
+    assert all(0 <= c.off_policy_tokens <= c.output_tokens for c in consumed)
 
 
 # --- the trainer's wait --------------------------------------------------------------------
