@@ -18,8 +18,11 @@ finished (every turn done, not consumed), consumed, dropped. Moves:
 
 Versions: ``version`` is the trainer's (the weights the next update trains on); every
 generated span of tokens carries the version of the weights that produced it
-(``generated``). A trajectory's head version ``h`` is the version it was admitted, or
-re-based (interrupt, restart), under; its staleness when consumed is ``version - h``.
+(``generated``). A trajectory's head version ``h`` is the version it was admitted under,
+or restarted under; under ``interrupt`` it is continued, not regenerated, under each new
+version, so ``h`` is also raised to the newest weights that generated any of its tokens
+(and to the new version at an update that finds it running past the bound). Its staleness
+when consumed is ``version - h``; the off-policy share counts its older tokens.
 
 Invariants (``check()``; asserted by ``tests/rollout/test_ledger.py`` under hypothesis):
 - conservation: admitted = running + finished + consumed + dropped, per state and by count;
@@ -189,6 +192,8 @@ class RolloutLedger:
             raise ValueError(f"{traj_id}: {num_tokens} tokens while {rec.state}")
         if num_tokens == 0:
             return
+        if self.rules.past_bound is PastBound.INTERRUPT and version > rec.head_version:
+            rec.head_version = version  # it goes on under these weights
         if rec.spans and rec.spans[-1][0] == version:
             rec.spans[-1] = (version, rec.spans[-1][1] + num_tokens)
         else:
