@@ -97,6 +97,8 @@ COLUMNS: tuple[Column, ...] = (
     ("batch s p99", "{:.1f}", lambda n, e: e.get("batch_time_s", {}).get("p99", float("nan"))),
     ("transitions", "{:.1f}", lambda n, e: e.get("transitions", float("nan"))),
     ("max wait s", "{:.1f}", lambda n, e: e.get("max_trainer_wait_s", float("nan"))),
+    ("off-policy", "{:.2f}", lambda n, e: e.get("rollout", {}).get("off_policy_share", math.nan)),
+    ("wasted tok", "{:,.0f}", lambda n, e: e.get("rollout", {}).get("wasted_tokens", math.nan)),
     ("of oracle", "{:.3f}", lambda n, e: e["oracle_fraction"]),
 )
 
