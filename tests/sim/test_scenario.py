@@ -234,3 +234,25 @@ def test_scenario_model_defaults() -> None:
         ("cluster.trainer.gpu_type", "h100"),
         ("cluster.rollout.gpu_type", "h100"),
     ]
+
+
+def test_rollout_rules_are_checked(tmp_path: Path) -> None:
+    data = _base()
+    data["rollout"]["group_size"] = 3
+    assert _error(tmp_path, data) == (
+        f"rollout.batch_trajectories: {data['rollout']['batch_trajectories']} is not a "
+        "multiple of group_size 3"
+    )
+    data = _base()
+    data["rollout"].update(group_size=8, max_in_flight=4)
+    assert _error(tmp_path, data) == "rollout.max_in_flight: 4 is below group_size 8"
+    data = _base()
+    data["rollout"]["batching"] = "fifo"
+    assert _error(tmp_path, data).startswith(
+        "rollout.batching: Input should be 'first-completed' or 'in-order'"
+    )
+    data = _base()
+    data["rollout"]["past_bound"] = "ignore"
+    assert _error(tmp_path, data).startswith(
+        "rollout.past_bound: Input should be 'interrupt', 'restart' or 'drop'"
+    )
