@@ -99,27 +99,35 @@ def cut_groups(
     groups_needed: int,
     engine_codes: Index,
     engine_position: Index,
+    engine_turns: F64,
     tail_codes: Index,
     tail_s: F64,
+    turn_s: float,
 ) -> GroupCut:
     """The first ``groups_needed`` groups to complete, and the position they complete at.
 
-    ``engine_*`` describe the trajectories with turns left, in sorted order: group and
-    position index. ``tail_*`` the trajectories whose last turn is done but whose final
-    env step still runs (their group and its rest). A group with neither has completed.
+    ``engine_*`` describe the trajectories with turns left, in sorted order: group,
+    position index and when they end in reference turns (their reference position plus
+    any env time past its mean, ``turn_s`` a reference turn). ``tail_*`` the
+    trajectories whose last turn is done but whose final env step still runs (their
+    group and its rest). A group with neither has completed. Groups complete in the
+    order of their latest member's end (ties: its position, then stream order); the
+    batch's fluid ends at the latest position among its groups' members.
     """
     m = min(groups_needed, num_groups)
     last = np.full(num_groups, -1, dtype=np.intp)
     np.maximum.at(last, engine_codes, engine_position)
     tail = np.zeros(num_groups)
     np.maximum.at(tail, tail_codes, tail_s)
-    order = np.lexsort((np.arange(num_groups), tail, last))
+    ends = tail / max(turn_s, 1e-300)
+    np.maximum.at(ends, engine_codes, engine_turns)
+    order = np.lexsort((np.arange(num_groups), last, ends))
     chosen = np.zeros(num_groups, dtype=bool)
     chosen[order[:m]] = True
     return GroupCut(
         groups_needed=m,
         num_groups=num_groups,
-        cut_position=int(last[order[m - 1]]) if m else -1,
+        cut_position=int(last[chosen].max(initial=-1)),
         members=chosen[engine_codes],
         tail_s=float(tail[chosen].max(initial=0.0)),
         done_groups=int((last < 0).sum()),
@@ -181,8 +189,8 @@ def progress_variance_turns2(
     ``s_e``): each decode ahead adds ``(s_d sd_o / o)^2``, the part ``f < 1`` left of the
     current one ``f^2`` of it (its relative spread stays a turn's); each env step ahead
     ``(s_e sd_e / e)^2``, ``R - 1`` of them between the turns left (none after the last)
-    and, in env, the part of the current one; and the turns after the current one spread
-    by ``(cv_R (R - 1))^2``.
+    and, in env, the part of the current one; and the turns left spread by ``(cv_R R)^2``
+    (as the straggler's, ``predictor._straggler_s``).
     """
     o, e = spread.output_tokens_per_turn, spread.env_latency_s
     decode_var = (decode_share * (spread.output_tokens_sd or 0.0) / o) ** 2
@@ -192,7 +200,7 @@ def progress_variance_turns2(
     after = np.maximum(turns - 1.0, 0.0)
     in_env = np.minimum(np.maximum(progress - turns, 0.0) / max(env_share, 1e-300), 1.0)
     result: F64 = (part**2 + whole) * decode_var + (after + in_env**2) * env_var
-    result += ((spread.turns_cv or 0.0) * after) ** 2
+    result += ((spread.turns_cv or 0.0) * turns) ** 2
     return result
 
 

@@ -173,13 +173,16 @@ def prepare(
     if workload.next_batch is not None:
         codes, num_groups = group_codes(workload)
         engine_codes = codes[keep][order]
+        turn_s = _reference_turn_s(profile, turn, float(ctx0.mean()) if n else 0.0)
         cut = cut_groups(
             num_groups,
             workload.next_batch.groups_needed,
             engine_codes=engine_codes,
             engine_position=np.cumsum(first) - 1,
+            engine_turns=r_ref + overrun / max(turn_s, 1e-300),
             tail_codes=codes[ends_after_env],
             tail_s=cols.env_remaining_s[ends_after_env],
+            turn_s=turn_s,
         )
     num_live = (n - starts).astype(float)
     growth = turn.growth_tokens
@@ -424,13 +427,11 @@ def _reference_critical_s(
     return result
 
 
-def _reference_shares(
+def _reference_parts_s(
     profile: RuntimeProfile, turn: TurnShape, ctx_tokens: float
-) -> tuple[float, float, float]:
-    """Prefill, decode and env shares of one uncontended turn, averaged over engines.
-
-    Only used to sort positions once per workload, independently of the configuration.
-    """
+) -> tuple[float, float, int]:
+    """Prefill and decode seconds of one uncontended turn summed over the profile's
+    engines, and their number."""
     o, new = turn.output_tokens, min(turn.observation_tokens, ctx_tokens)
     prefix, decode_ctx = ctx_tokens - new, ctx_tokens + 0.5 * o
     prefill_s = decode_s = 0.0
@@ -440,7 +441,24 @@ def _reference_shares(
         prefill_s += p.a_s + new * (p.b_s_per_token + p.c_s_per_token2 * (2 * prefix + new))
         regime = d.small if d.large_batch_from > 1 else d.large
         decode_s += o * (regime.base_s + regime.per_seq_s + regime.per_ctx_token_s * decode_ctx)
-    total = prefill_s + decode_s + turn.env_s * len(engines)
+    return prefill_s, decode_s, len(engines)
+
+
+def _reference_shares(
+    profile: RuntimeProfile, turn: TurnShape, ctx_tokens: float
+) -> tuple[float, float, float]:
+    """Prefill, decode and env shares of one uncontended turn, averaged over engines.
+
+    Only used to sort positions once per workload, independently of the configuration.
+    """
+    prefill_s, decode_s, num_engines = _reference_parts_s(profile, turn, ctx_tokens)
+    total = prefill_s + decode_s + turn.env_s * num_engines
     if total <= 0:
         return (1 / 3, 1 / 3, 1 / 3)
-    return (prefill_s / total, decode_s / total, turn.env_s * len(engines) / total)
+    return (prefill_s / total, decode_s / total, turn.env_s * num_engines / total)
+
+
+def _reference_turn_s(profile: RuntimeProfile, turn: TurnShape, ctx_tokens: float) -> float:
+    """Seconds of one uncontended turn, averaged over engines (the next batch's unit)."""
+    prefill_s, decode_s, num_engines = _reference_parts_s(profile, turn, ctx_tokens)
+    return (prefill_s + decode_s) / max(num_engines, 1) + turn.env_s

@@ -362,7 +362,8 @@ def test_identical_groups_put_every_trajectory_at_the_share() -> None:
         n = size * big_g
         codes = np.arange(n) // size
         positions = np.zeros(n, dtype=np.intp)
-        cut = cut_groups(big_g, m, codes, positions, np.zeros(0, np.intp), np.zeros(0))
+        no_tail = np.zeros(0, np.intp)
+        cut = cut_groups(big_g, m, codes, positions, np.full(n, 5.0), no_tail, np.zeros(0), 1.0)
         mean, turns = np.array([5.0]), np.array([5.0])
         x_m = batch_progress_turns(cut, mean, turns, spread, (0.5, 0.3), codes, positions)
         var = progress_variance_turns2(mean, turns, spread, 0.5, 0.3)[0]
