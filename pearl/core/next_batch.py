@@ -6,12 +6,12 @@ complete (``WorkloadSnapshot.next_batch``), not every unfinished trajectory. The
 engines; only the question changes (equations in ``docs/predictor.md``):
 
 1. Positions are sorted once for every configuration and the fluid reaches them in that
-   order, so a group completes at its *latest member's position*, and the groups in the
-   order of that position index (ties: the longer final env step, then stream order).
-   The batch is the first ``m`` groups in that order: without spreads it is complete
-   when the fluid reaches the ``m``-th one's position ``p*`` (``cut_groups``). Groups
-   whose members have no turn left need no engine: they complete when their final env
-   steps end.
+   order, so a group completes with its *latest member*: at its position, in reference
+   turns, later by any env time past its mean (``cut_groups``). The batch is the first
+   ``m`` groups in that order (ties: the latest position, then stream order); without
+   spreads it is complete when the fluid reaches the latest position ``p*`` among their
+   members and their own critical paths are done. Groups whose members have no turn
+   left need no engine: they complete when their final env steps end.
 2. With spreads each trajectory's remaining progress (in turns) is a gamma variable with
    its position as mean and a variance from its turns left, so the groups complete in a
    random order; the batch completes at the progress ``x_m`` where the expected number
@@ -49,7 +49,7 @@ class GroupCut:
 
     groups_needed: int  # m, at most num_groups
     num_groups: int  # G: listed groups and not-started ones
-    cut_position: int  # p*: position index at which the m-th group completes; -1: no engine
+    cut_position: int  # p*: the latest position among the m groups' members; -1: none
     members: NDArray[np.bool_]  # per sorted trajectory with turns left: of the m groups
     tail_s: float  # longest final env step (no turn after it) of the m groups' members
     done_groups: int  # groups with no member with a turn left
@@ -66,9 +66,9 @@ class PreparedBatch:
 
     groups_needed: int  # m
     num_groups: int  # G
-    cut_segment: int  # the segment holding the m-th group's completion; -1: no engine needed
-    cut_ref_turns: float  # its position in reference turns
-    cut_ends_segment: bool  # the position ends its segment (always unless merged)
+    cut_segment: int  # the segment holding p*; -1: no engine needed
+    cut_ref_turns: float  # p* in reference turns
+    cut_ends_segment: bool  # p* ends its segment (always unless merged)
     segment_ref_turns: F64  # (S,) the segments' ends in reference turns
     tail_s: float  # longest final env step among the batch's groups
     alone_all: NDArray[np.bool_]  # candidates of the whole workload (they come first)
@@ -218,14 +218,13 @@ def batch_progress_turns(
     Trajectory ``i`` needs a gamma-distributed progress ``X_i`` with its position's mean
     (``mean_turns``, per position) and the variance of ``progress_variance_turns2``
     (``shares``: the decode and env shares of a reference turn), independent of the
-    others. Group ``g`` is
-    complete at progress ``x`` with probability ``H_g(x) = prod F_i(x)`` (1 for a group
-    with no turn left). The batch completes where the expected number of complete groups
-    ``sum H_g(x)`` reaches ``G F_m^g``, ``F_m`` the order statistic's share
-    (``order_statistic_share``, ``g`` the mean members with turns left per group): for
-    identical groups that puts every trajectory at ``F_m``. Positions are binned to
-    1/64 turn for the cdfs; bisection over a bracket that does not depend on ``m``, so
-    the result is non-decreasing in ``m``.
+    others. Group ``g`` is complete at progress ``x`` with probability ``H_g(x) = prod
+    F_i(x)`` (1 for a group with no turn left). The batch completes where the expected
+    number of complete groups ``sum H_g(x)`` reaches ``G F_m^g``, ``F_m`` the order
+    statistic's share (``order_statistic_share``, ``g`` the mean members with turns left
+    per group): for identical groups that puts every trajectory at ``F_m``. Positions
+    are binned to 1/64 turn for the cdfs; bisection over a bracket that does not depend
+    on ``m``, so the result is non-decreasing in ``m``.
     """
     if cut.cut_position < 0:
         return 0.0
