@@ -1,4 +1,5 @@
-"""Batch-completion predictor: time until every unfinished trajectory of the batch ends.
+"""Batch-completion predictor: time until every unfinished trajectory of the batch ends
+(or, with ``next_batch``, until the trainer's next batch of groups is complete).
 
 A fluid aggregate model, not a per-request simulation (equations, assumptions and blind
 spots in ``docs/predictor.md``):
@@ -34,6 +35,12 @@ engine rows and the ``Prediction`` objects. The sort uses reference shares of an
 uncontended turn, so it does not depend on the configuration; where a configuration's
 shares reorder positions, the inversion is flattened by a running maximum.
 
+With ``WorkloadSnapshot.next_batch`` the question is the time until the first
+``groups_needed`` groups complete, the whole workload still contending for the engines
+(``next_batch``: the fluid up to the batch's progress, its own critical path, the order
+statistic of the groups' completions; never more than the prediction without it;
+``tests/core/test_next_batch.py``).
+
 Invariants (asserted by ``tests/core/test_predictor.py``): ``completion_s >=
 critical_path_s >= 0`` and ``completion_s >= throughput_bound_s``; an empty workload
 predicts 0 with bottleneck "none"; a configuration that cannot serve the workload
@@ -54,6 +61,7 @@ from numpy.typing import NDArray
 from scipy.special import gammaincinv
 
 from pearl.core.engine_groups import EngineGroups, engine_groups
+from pearl.core.next_batch import batch_totals
 from pearl.core.pd import PDConfig
 from pearl.core.prepared import (
     DEFAULT_MAX_SEGMENTS,
@@ -128,10 +136,12 @@ def predict_prepared_many(w: PreparedWorkload, configs: Sequence[PDConfig]) -> l
 
     A configuration's prediction does not depend on the others in ``configs``.
     """
-    if w.num_trajectories == 0:
-        bottleneck = "latency" if w.env_tail_s > 0 else "none"
-        breakdown = _EMPTY if w.env_tail_s == 0 else _with_critical(w.env_tail_s)
-        return [Prediction(w.env_tail_s, bottleneck, breakdown)] * len(configs)
+    no_engine = w.batch is not None and w.batch.cut_segment < 0
+    if w.num_trajectories == 0 or no_engine:
+        tail_s = w.batch.tail_s if no_engine and w.batch is not None else w.env_tail_s
+        bottleneck = "latency" if tail_s > 0 else "none"
+        breakdown = _EMPTY if tail_s == 0 else _with_critical(tail_s)
+        return [Prediction(tail_s, bottleneck, breakdown)] * len(configs)
     results = [_INFEASIBLE] * len(configs)
     groups, kept = engine_groups(configs, w.profile)
     if groups is not None:
@@ -179,7 +189,8 @@ def _predict_groups(w: PreparedWorkload, g: EngineGroups) -> list[Prediction]:
 
     # Segment ends in turns: in-flight parts of each segment's cycle, over the first cycle.
     r = np.maximum.accumulate(np.maximum(_end_turns(w.ends, e, cyc, cycle_s), 0.0), axis=1)
-    with_env_s = (steps(r) * cycle_s).sum(axis=1)
+    with_env_seg_s = steps(r) * cycle_s
+    with_env_s = with_env_seg_s.sum(axis=1)
     if cyc.env_gap_s is not None:
         r = _skip_last_env(r, cycle_s, cyc.env_gap_s)
     dr = steps(r)
@@ -189,10 +200,25 @@ def _predict_groups(w: PreparedWorkload, g: EngineGroups) -> list[Prediction]:
     critical = w.alone.remaining_turns * alone_cycle_s
     critical += _offset_s(w.alone, e, alone, alone_cycle_s) - e
     critical += w.alone_overrun_s
-    critical_s = np.maximum(critical.max(axis=1), max(w.env_tail_s, 0.0))
-    if w.spread is not None and w.num_trajectories > 1:
-        slowest_s, excess_s = _straggler_s(w, w.spread, critical, alone)
-        critical_s = np.maximum(critical_s, np.maximum(slowest_s, fluid_s + excess_s))
+    if w.batch is None:
+        critical_s = np.maximum(critical.max(axis=1), max(w.env_tail_s, 0.0))
+        if w.spread is not None and w.num_trajectories > 1:
+            slowest_s, excess_s = _straggler_s(w, w.spread, critical, alone)
+            critical_s = np.maximum(critical_s, np.maximum(slowest_s, fluid_s + excess_s))
+        completion_s = np.maximum(fluid_s, critical_s)
+        throughput_s = (dr * cyc.throughput_s).sum(axis=1)
+        env_saving_s = with_env_s - fluid_s
+        uniform: F64 | float = 1.0 / num_seg
+    else:
+        all_s = _all_complete_s(w, int(w.batch.alone_all.sum()), seg_s, critical, alone)
+        t = batch_totals(w.batch, r, seg_s, with_env_seg_s, critical, alone_cycle_s, all_s)
+        seg_s = seg_s * t.share  # the fluid time up to the batch, per segment
+        completion_s, critical_s, fluid_s = t.completion_s, t.critical_s, t.fluid_s
+        throughput_s = (t.share * dr * cyc.throughput_s).sum(axis=1)
+        env_saving_s = t.env_saving_s
+        shares = t.share.sum(axis=1, keepdims=True)
+        uniform = t.share / np.where(shares > 0, shares, 1.0)
+        num_seg = w.batch.cut_segment + 1
 
     # The bottleneck: the binding term of the most fluid time (sums in segment order).
     num_configs, num_codes = len(r), len(BOUND_NAMES)
@@ -202,7 +228,7 @@ def _predict_groups(w: PreparedWorkload, g: EngineGroups) -> list[Prediction]:
     ).reshape(num_configs, num_codes)
     bound_code = np.where(critical_s >= fluid_s, -1, by_bound.argmax(axis=1))
     positive = fluid_s[:, None] > 0
-    weights = np.where(positive, seg_s / np.where(positive, fluid_s[:, None], 1.0), 1.0 / num_seg)
+    weights = np.where(positive, seg_s / np.where(positive, fluid_s[:, None], 1.0), uniform)
     per_segment = np.stack(
         [
             cyc.decode_batch,
@@ -216,14 +242,7 @@ def _predict_groups(w: PreparedWorkload, g: EngineGroups) -> list[Prediction]:
         ]
     )
     totals = np.stack(
-        [
-            np.maximum(fluid_s, critical_s),
-            critical_s,
-            fluid_s,
-            (dr * cyc.throughput_s).sum(axis=1),
-            with_env_s - fluid_s,
-            cycle_s[:, 0],
-        ]
+        [completion_s, critical_s, fluid_s, throughput_s, env_saving_s, cycle_s[:, 0]]
     )
     columns = np.concatenate([totals, (per_segment * weights).sum(axis=2)]).T.tolist()
     names = ("latency", *BOUND_NAMES)
@@ -232,6 +251,20 @@ def _predict_groups(w: PreparedWorkload, g: EngineGroups) -> list[Prediction]:
         Prediction(row[0], names[code + 1], _breakdown(row[1:], counts)) if ok else _NO_KV
         for ok, code, row in zip(feasible.tolist(), bound_code.tolist(), columns, strict=True)
     ]
+
+
+def _all_complete_s(
+    w: PreparedWorkload, num_all: int, seg_s: F64, critical: F64, alone: Cycle
+) -> F64:
+    """The prediction without ``next_batch`` from the first ``num_all`` candidates (the
+    whole workload's): its fluid, critical path and straggler."""
+    total_s = seg_s.sum(axis=1)
+    critical_s = np.maximum(critical[:, :num_all].max(axis=1), max(w.env_tail_s, 0.0))
+    if w.spread is not None and w.num_trajectories > 1:
+        slowest_s, excess_s = _straggler_s(w, w.spread, critical[:, :num_all], alone)
+        critical_s = np.maximum(critical_s, np.maximum(slowest_s, total_s + excess_s))
+    result: F64 = np.maximum(total_s, critical_s)
+    return result
 
 
 _STRAGGLER_CANDIDATES = 8  # longest mean paths per configuration given a spread

@@ -38,6 +38,13 @@ import numpy as np
 from numpy.typing import NDArray
 
 from pearl.core.engine_groups import TurnShape
+from pearl.core.next_batch import (
+    PreparedBatch,
+    batch_progress_turns,
+    cut_groups,
+    group_codes,
+    prepared_batch,
+)
 from pearl.core.profile import RuntimeProfile
 from pearl.core.turn_model import Segments, segments
 from pearl.core.workload import TrajPhase, TurnStats, WorkloadSnapshot
@@ -109,6 +116,7 @@ class PreparedWorkload:
     alone_segments: Segments
     spread: TurnStats | None = None  # per-turn spreads, for the straggler estimate
     alone_at_least: F64 | None = None  # per candidate: trajectories with >= its turns left
+    batch: PreparedBatch | None = None  # the next batch's groups, if the snapshot asks for it
 
     @property
     def num_segments(self) -> int:
@@ -123,7 +131,9 @@ def prepare(
     """Do the per-workload part of the prediction once.
 
     ``max_segments`` bounds the segments of the fluid sum and the critical-path
-    candidates (None: no bound, every distinct position is a segment).
+    candidates (None: no bound, every distinct position is a segment). With
+    ``workload.next_batch`` the batch's cut and the critical-path candidates of its
+    members are added (``next_batch``); the segments are those of the whole workload.
     """
     if max_segments is not None and max_segments < 2:
         raise ValueError("max_segments must be at least 2")
@@ -159,6 +169,21 @@ def prepare(
     first = np.ones(n, dtype=bool)
     first[1:] = (keys[1:] != keys[:-1]).any(axis=1)  # a new position starts a segment
     starts = np.flatnonzero(first)
+    cut = engine_codes = None
+    if workload.next_batch is not None:
+        codes, num_groups = group_codes(workload)
+        engine_codes = codes[keep][order]
+        turn_s = _reference_turn_s(profile, turn, float(ctx0.mean()) if n else 0.0)
+        cut = cut_groups(
+            num_groups,
+            workload.next_batch.groups_needed,
+            engine_codes=engine_codes,
+            engine_position=np.cumsum(first) - 1,
+            engine_turns=r_ref + overrun / max(turn_s, 1e-300),
+            tail_codes=codes[ends_after_env],
+            tail_s=cols.env_remaining_s[ends_after_env],
+            turn_s=turn_s,
+        )
     num_live = (n - starts).astype(float)
     growth = turn.growth_tokens
     r_seg = r_ref[starts]
@@ -186,16 +211,34 @@ def prepare(
     overrun_seg = np.maximum.reduceat(overrun, starts) if n else np.zeros(0)
 
     num_positions = len(starts)
-    alone = _undominated(turns_seg, ctx_alone, overrun_seg)
+    alone = _alone_candidates(profile, turn, positions, ctx_alone, overrun_seg, max_segments)
     if max_segments is None or num_positions <= max_segments:
         last = np.arange(num_positions)
     else:
         last, num_live, ctx_seg, var_seg = _merge(num_live, r_seg, ctx_seg, var_seg, max_segments)
-    if max_segments is not None and len(alone) > max_segments:
-        estimate_s = _reference_critical_s(
-            profile, turn, _take(positions, alone), ctx_alone[alone], overrun_seg[alone]
-        )
-        alone = alone[_candidates(estimate_s, ctx_alone[alone], max_segments)]
+    batch = None
+    alone_ctx, alone_overrun_s = ctx_alone[alone], overrun_seg[alone]
+    if cut is not None:
+        assert engine_codes is not None
+        x_m = None
+        if stats.has_spread and cut.cut_position >= 0 and n > 1:  # as the straggler
+            x_m = batch_progress_turns(
+                cut, r_seg, turns_seg, stats, ref[1:], engine_codes, np.cumsum(first) - 1
+            )
+        # The batch's members at the whole workload's candidates (kept once if the same).
+        members_ctx = np.where(cut.members, ctx0, -np.inf)
+        members_overrun = np.where(cut.members, overrun, 0.0)
+        ctx_b = np.maximum.reduceat(members_ctx, starts)[alone] if n else np.zeros(0)
+        ctx_b = ctx_b + growth * 0.5 * (turns_seg[alone] - 1)
+        overrun_b = np.maximum.reduceat(members_overrun, starts)[alone] if n else np.zeros(0)
+        held = ctx_b > -np.inf
+        same = held & (ctx_b == alone_ctx) & (overrun_b == alone_overrun_s)
+        extra = held & ~same
+        alone = np.concatenate([alone, alone[extra]])  # the batch's where they differ
+        alone_ctx = np.concatenate([alone_ctx, ctx_b[extra]])
+        alone_overrun_s = np.concatenate([alone_overrun_s, overrun_b[extra]])
+        in_batch = np.concatenate([same, np.ones(int(extra.sum()), bool)])
+        batch = prepared_batch(cut, last, r_seg, alone, len(same), in_batch, x_m)
     return PreparedWorkload(
         profile=profile,
         turn=turn,
@@ -205,13 +248,32 @@ def prepare(
         ends=_ends(positions, last),
         fluid=segments(turn, num_live, ctx_seg, var_seg, np.full(len(last), e)),
         alone=_take(positions, alone),
-        alone_overrun_s=overrun_seg[alone],
+        alone_overrun_s=alone_overrun_s,
         alone_segments=segments(
-            turn, np.ones(len(alone)), ctx_alone[alone], var_alone[alone], np.full(len(alone), e)
+            turn, np.ones(len(alone)), alone_ctx, var_alone[alone], np.full(len(alone), e)
         ),
         spread=stats if stats.has_spread else None,
         alone_at_least=(n - np.searchsorted(np.sort(turns), turns_seg[alone])).astype(float),
+        batch=batch,
     )
+
+
+def _alone_candidates(
+    profile: RuntimeProfile,
+    turn: TurnShape,
+    positions: Positions,
+    ctx_alone: F64,
+    overrun_s: F64,
+    max_segments: int | None,
+) -> Index:
+    """The critical-path candidates: undominated positions, at most ``max_segments``."""
+    alone = _undominated(positions.remaining_turns, ctx_alone, overrun_s)
+    if max_segments is not None and len(alone) > max_segments:
+        estimate_s = _reference_critical_s(
+            profile, turn, _take(positions, alone), ctx_alone[alone], overrun_s[alone]
+        )
+        alone = alone[_candidates(estimate_s, ctx_alone[alone], max_segments)]
+    return alone
 
 
 def steps(r: F64) -> F64:
@@ -365,13 +427,11 @@ def _reference_critical_s(
     return result
 
 
-def _reference_shares(
+def _reference_parts_s(
     profile: RuntimeProfile, turn: TurnShape, ctx_tokens: float
-) -> tuple[float, float, float]:
-    """Prefill, decode and env shares of one uncontended turn, averaged over engines.
-
-    Only used to sort positions once per workload, independently of the configuration.
-    """
+) -> tuple[float, float, int]:
+    """Prefill and decode seconds of one uncontended turn summed over the profile's
+    engines, and their number."""
     o, new = turn.output_tokens, min(turn.observation_tokens, ctx_tokens)
     prefix, decode_ctx = ctx_tokens - new, ctx_tokens + 0.5 * o
     prefill_s = decode_s = 0.0
@@ -381,7 +441,24 @@ def _reference_shares(
         prefill_s += p.a_s + new * (p.b_s_per_token + p.c_s_per_token2 * (2 * prefix + new))
         regime = d.small if d.large_batch_from > 1 else d.large
         decode_s += o * (regime.base_s + regime.per_seq_s + regime.per_ctx_token_s * decode_ctx)
-    total = prefill_s + decode_s + turn.env_s * len(engines)
+    return prefill_s, decode_s, len(engines)
+
+
+def _reference_shares(
+    profile: RuntimeProfile, turn: TurnShape, ctx_tokens: float
+) -> tuple[float, float, float]:
+    """Prefill, decode and env shares of one uncontended turn, averaged over engines.
+
+    Only used to sort positions once per workload, independently of the configuration.
+    """
+    prefill_s, decode_s, num_engines = _reference_parts_s(profile, turn, ctx_tokens)
+    total = prefill_s + decode_s + turn.env_s * num_engines
     if total <= 0:
         return (1 / 3, 1 / 3, 1 / 3)
-    return (prefill_s / total, decode_s / total, turn.env_s * len(engines) / total)
+    return (prefill_s / total, decode_s / total, turn.env_s * num_engines / total)
+
+
+def _reference_turn_s(profile: RuntimeProfile, turn: TurnShape, ctx_tokens: float) -> float:
+    """Seconds of one uncontended turn, averaged over engines (the next batch's unit)."""
+    prefill_s, decode_s, num_engines = _reference_parts_s(profile, turn, ctx_tokens)
+    return (prefill_s + decode_s) / max(num_engines, 1) + turn.env_s

@@ -6,7 +6,9 @@ of the turn's output, then an environment (tool) step, except after the last tur
 
 Invariants: counts and times are non-negative; trajectory ids are unique; ``arrays()``
 returns one entry per unfinished trajectory (``not_started`` ones included) in the
-order of ``trajectories`` followed by the not-started ones.
+order of ``trajectories`` followed by the not-started ones. With ``next_batch`` set, every
+trajectory has a ``group_id``, no group lists more than ``group_size`` trajectories and
+``not_started`` is a whole number of groups.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from pydantic import Field, model_validator
 
 from pearl.core.profile import WorkloadDefaults
 from pearl.core.state import Frozen, NonNegFloat, NonNegInt
+
+PosInt = Annotated[int, Field(ge=1)]
 
 
 class TrajPhase(StrEnum):
@@ -41,6 +45,11 @@ class TrajectoryProgress(Frozen):
     )
     turn_output_tokens: NonNegInt = Field(0, description="Tokens generated in the current turn.")
     env_remaining_s: NonNegFloat = Field(0.0, description="Expected rest of the current env step.")
+    group_id: Annotated[str, Field(min_length=1)] | None = Field(
+        None,
+        description="The GRPO group (prompt) the trajectory samples; required when the "
+        "snapshot asks for a next batch (WorkloadSnapshot.next_batch).",
+    )
 
 
 class TurnStats(Frozen):
@@ -66,16 +75,61 @@ class TurnStats(Frozen):
         return None not in (self.output_tokens_sd, self.env_latency_sd_s, self.turns_cv)
 
 
+class NextBatch(Frozen):
+    """What the trainer waits for under ``first-completed`` batching: whole groups.
+
+    A group is complete when all its trajectories have finished; the trainer's next batch
+    is the first ``groups_needed`` groups to complete (``docs/predictor.md``).
+    """
+
+    groups_needed: NonNegInt = Field(
+        description="Complete groups the trainer still waits for (0: the batch is ready)."
+    )
+    group_size: PosInt = Field(description="Trajectories per group (samples per prompt).")
+
+
 class WorkloadSnapshot(Frozen):
     trajectories: tuple[TrajectoryProgress, ...] = ()
-    not_started: NonNegInt = Field(0, description="Trajectories of the batch not begun yet.")
+    not_started: NonNegInt = Field(
+        0,
+        description="Trajectories admitted but not begun yet (with next_batch: whole "
+        "groups of group_size, each trajectory from the profile's defaults).",
+    )
     stats: TurnStats | None = Field(None, description="Observed turn statistics, if any.")
+    next_batch: NextBatch | None = Field(
+        None,
+        description="None: predict until every unfinished trajectory completes (in-order "
+        "batches). Set: until groups_needed more groups complete, the groups being those "
+        "of trajectories (by group_id; only unfinished members are listed, a group "
+        "completes when its listed members do) and not_started // group_size groups not "
+        "begun yet.",
+    )
 
     @model_validator(mode="after")
     def _unique_ids(self) -> WorkloadSnapshot:
         ids = [t.traj_id for t in self.trajectories]
         if len(set(ids)) != len(ids):
             raise ValueError("trajectories: duplicate traj_id")
+        return self
+
+    @model_validator(mode="after")
+    def _whole_groups(self) -> WorkloadSnapshot:
+        if self.next_batch is None:
+            return self
+        size = self.next_batch.group_size
+        members: dict[str, int] = {}
+        for t in self.trajectories:
+            if t.group_id is None:
+                raise ValueError(f"next_batch: trajectory {t.traj_id} has no group_id")
+            members[t.group_id] = members.get(t.group_id, 0) + 1
+            if members[t.group_id] > size:
+                raise ValueError(
+                    f"next_batch: group {t.group_id} lists more than group_size {size} trajectories"
+                )
+        if self.not_started % size:
+            raise ValueError(
+                f"next_batch: not_started {self.not_started} is not a multiple of group_size {size}"
+            )
         return self
 
     @property
