@@ -147,6 +147,14 @@ def predict_prepared_many(w: PreparedWorkload, configs: Sequence[PDConfig]) -> l
     if groups is not None:
         for index, prediction in zip(kept, _predict_groups(w, groups), strict=True):
             results[index] = prediction
+    if w.start_delay_s > 0:  # with groups that begin later, or from the listed alone
+        d = w.start_delay_s
+        results = [replace(p, completion_s=p.completion_s + d) for p in results]
+        if w.listed_only is not None:
+            alone = predict_prepared_many(w.listed_only, configs)
+            results = [
+                min(a, b, key=lambda p: p.completion_s) for a, b in zip(alone, results, strict=True)
+            ]
     return results
 
 

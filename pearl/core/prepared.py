@@ -33,6 +33,7 @@ left.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
@@ -117,6 +118,8 @@ class PreparedWorkload:
     spread: TurnStats | None = None  # per-turn spreads, for the straggler estimate
     alone_at_least: F64 | None = None  # per candidate: trajectories with >= its turns left
     batch: PreparedBatch | None = None  # the next batch's groups, if the snapshot asks for it
+    start_delay_s: float = 0.0  # NextBatch.not_started_after_s, when it applies
+    listed_only: PreparedWorkload | None = None  # the same batch from listed groups alone
 
     @property
     def num_segments(self) -> int:
@@ -255,7 +258,25 @@ def prepare(
         spread=stats if stats.has_spread else None,
         alone_at_least=(n - np.searchsorted(np.sort(turns), turns_seg[alone])).astype(float),
         batch=batch,
+        **_later_groups(workload, profile, max_segments),
     )
+
+
+def _later_groups(
+    workload: WorkloadSnapshot, profile: RuntimeProfile, max_segments: int | None
+) -> dict[str, Any]:
+    """Not-started groups that begin ``not_started_after_s`` from now (admitted when the
+    running update ends). The fluid lets them start at once; so the batch completes
+    either from the listed groups alone (``listed_only``, when there are enough of them)
+    or with the later ones, that much later (``start_delay_s``): the sooner of the two."""
+    nb = workload.next_batch
+    if nb is None or nb.not_started_after_s <= 0 or workload.not_started == 0:
+        return {}
+    listed = {t.group_id for t in workload.trajectories}
+    alone = None
+    if nb.groups_needed <= len(listed):
+        alone = prepare(workload.model_copy(update={"not_started": 0}), profile, max_segments)
+    return {"start_delay_s": nb.not_started_after_s, "listed_only": alone}
 
 
 def _alone_candidates(

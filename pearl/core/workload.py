@@ -86,6 +86,11 @@ class NextBatch(Frozen):
         description="Complete groups the trainer still waits for (0: the batch is ready)."
     )
     group_size: PosInt = Field(description="Trajectories per group (samples per prompt).")
+    not_started_after_s: NonNegFloat = Field(
+        0.0,
+        description="The not-started groups begin this long from now (admitted at the end "
+        "of the update that runs); when the batch needs them, it completes that much later.",
+    )
 
 
 class WorkloadSnapshot(Frozen):

@@ -26,12 +26,18 @@ any other request of it is stale and ignored).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from pearl.core.workload import TrajectoryProgress, TrajPhase, TurnStats, WorkloadSnapshot
+from pearl.core.workload import (
+    NextBatch,
+    TrajectoryProgress,
+    TrajPhase,
+    TurnStats,
+    WorkloadSnapshot,
+)
 from pearl.rollout.ledger import ConsumedBatch, PastBoundOutcome, RolloutLedger
 from pearl.rollout.rules import Batching, RolloutRules
 from pearl.sim.engine import Request
@@ -102,6 +108,7 @@ class Rollout:
     sumsq_output_tokens: float = 0.0
     sumsq_env_s: float = 0.0
     env_steps: int = 0
+    env_latencies_s: list[float] = field(default_factory=list)  # observed tool latencies
     sum_turns: int = 0  # of finished trajectories
     sumsq_turns: int = 0
     _stream: Iterator[TrajectorySpec] | None = None
@@ -182,6 +189,7 @@ class Rollout:
         self.sum_env_s += latency_s
         self.sumsq_env_s += latency_s * latency_s
         self.env_steps += 1
+        self.env_latencies_s.append(latency_s)
         traj.turn += 1
         new = traj.spec.new_tokens[traj.turn]
         self.sum_observation_tokens += new
@@ -270,18 +278,63 @@ class Rollout:
     # --- what the predictor sees -----------------------------------------------------------
 
     def snapshot(
-        self, now_s: float, version: int, turns_left: tuple[float, ...]
+        self,
+        now_s: float,
+        version: int,
+        turns_left: tuple[float, ...],
+        update_left_s: float = 0.0,
     ) -> WorkloadSnapshot:
-        """The running trajectories as the predictor sees them (admissible ones counted)."""
-        mean_env_s = self.sum_env_s / self.env_steps if self.env_steps else self.mean_env_s
+        """The running trajectories as the predictor sees them, and those the rules admit
+        once the weights are ``version`` (``update_left_s`` from now, when an update runs).
+
+        In-order batches ask the old question with the old snapshot (so their runs stay as
+        they were): every trajectory, a tool's time left its mean less the time spent, and
+        what the running update will admit counted as not started. First-completed batches
+        ask for the next batch (``NextBatch``): trajectories carry their groups; a tool's
+        time left is the mean of the observed latencies longer than the time spent, less
+        that time; and what the update will admit begins ``update_left_s`` from now."""
+        if self.in_order:
+            mean_env_s = self.sum_env_s / self.env_steps if self.env_steps else self.mean_env_s
+            progress = [
+                self._progress(t, now_s, turns_left, lambda a: max(mean_env_s - a, 0.0), False)
+                for t in self.in_flight.values()
+            ]
+            return WorkloadSnapshot(
+                trajectories=tuple(progress),
+                not_started=self.startable(version),
+                stats=self.turn_stats(),
+            )
+        tool_left = self._tool_left()
         progress = [
-            self._progress(t, now_s, turns_left, mean_env_s) for t in self.in_flight.values()
+            self._progress(t, now_s, turns_left, tool_left, True) for t in self.in_flight.values()
         ]
+        needed = self.ledger.groups_needed()
         return WorkloadSnapshot(
             trajectories=tuple(progress),
             not_started=self.startable(version),
             stats=self.turn_stats(),
+            next_batch=NextBatch(
+                groups_needed=needed,
+                group_size=self.rules.group_size,
+                not_started_after_s=update_left_s,
+            ),
         )
+
+    def _tool_left(self) -> Callable[[float], float]:
+        """A running tool call's expected time left given the time it has run: the mean of
+        the observed latencies longer than that, less it (the calls still running are the
+        long ones); the model's mean less it until 32 calls were observed."""
+        if self.env_steps < MIN_OBSERVED:
+            return lambda a: max(self.mean_env_s - a, 0.0)
+        lat = np.sort(np.asarray(self.env_latencies_s))
+        longer = np.concatenate([np.cumsum(lat[::-1])[::-1], [0.0]])  # sums of lat[k:]
+
+        def left(a: float) -> float:
+            k = int(np.searchsorted(lat, a, "right"))
+            n = len(lat) - k
+            return max(float(longer[k]) / n - a, 0.0) if n else 0.0
+
+        return left
 
     def turn_stats(self) -> TurnStats | None:
         """What the run observed so far: per-turn means once 32 turns have ended, and the
@@ -308,16 +361,20 @@ class Rollout:
 
     @staticmethod
     def _progress(
-        t: Trajectory, now_s: float, turns_left: tuple[float, ...], mean_env_s: float
+        t: Trajectory,
+        now_s: float,
+        turns_left: tuple[float, ...],
+        tool_left: Callable[[float], float],
+        grouped: bool,
     ) -> TrajectoryProgress:
         # What a coordinator knows: the turns a trajectory has done and for how long its
         # tool has run, not its sampled future. Turns left (the current one included; in
         # env, those after the tool): their expectation given the turns done; tool time
-        # left: the mean less the time spent (at least 0).
+        # left: ``tool_left`` of the time spent.
         remaining = turns_left[t.turn] if t.turn < len(turns_left) else 1.0
         env_s = 0.0
         if t.phase is TrajPhase.ENV:
-            env_s = max(mean_env_s - (now_s - t.env_started_s), 0.0)
+            env_s = tool_left(now_s - t.env_started_s)
         return TrajectoryProgress.model_construct(
             traj_id=t.traj_id,
             phase=t.phase,
@@ -325,6 +382,7 @@ class Rollout:
             remaining_turns=remaining,
             turn_output_tokens=t.generated_tokens,
             env_remaining_s=env_s,
+            group_id=f"g{t.group_id}" if grouped else None,
         )
 
 

@@ -153,6 +153,7 @@ class Simulation:
         self.trainer_present = self.trainer_gpus
         self.training = False
         self.needs_since_s: float | None = None
+        self.train_started_s = 0.0
         self.executor = Executor(self, AllocationIds())
         self.plan: PlanExecution | None = None
         self._effects: Follow = []  # follow-ups of the executor's calls of this world
@@ -420,6 +421,7 @@ class Simulation:
         self.policy.on_train_step(waited_s)
         self.needs_since_s = None
         self.training = True
+        self.train_started_s = now_s
         batch = self.rollout.take_batch(now_s)
         self.log(
             BatchConsumed.model_construct(
@@ -536,7 +538,9 @@ class Simulation:
                 phase=TrainerPhase.TRAINING if self.training else TrainerPhase.WAITING,
                 needs_gpus=self.needs_since_s is not None,
             ),
-            workload=self.rollout.snapshot(now_s, self._version_soon(), self.turns_left),
+            workload=self.rollout.snapshot(
+                now_s, self._version_soon(), self.turns_left, self._update_left_s(now_s)
+            ),
         )
         cfg = self.policy.config(bootstrap=self.decisions == 0)
         decision = decide(self.state, obs, cfg, self.profile, now_s)
@@ -604,6 +608,13 @@ class Simulation:
             self.decide_after_plan = False
             out.append((now_s, Decide("after plan")))
         return out
+
+    def _update_left_s(self, now_s: float) -> float:
+        """Until the running update ends (0 when none runs), as its start and the step
+        time tell a coordinator."""
+        if not self.training:
+            return 0.0
+        return max(self.train_started_s + self.train_step_s - now_s, 0.0)
 
     def _version_soon(self) -> int:
         """The weights' version once a running update ends: the batch it unlocks is about

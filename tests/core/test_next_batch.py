@@ -370,3 +370,22 @@ def test_identical_groups_put_every_trajectory_at_the_share() -> None:
         share = order_statistic_share(m, big_g, float(size))
         expected = var / 5.0 * gammaincinv(25.0 / var, share)
         assert x_m == pytest.approx(expected, rel=1e-3)
+
+
+def test_groups_admitted_after_the_update_start_that_much_later() -> None:
+    """Two listed groups and two not-started ones that begin 40 s from now (the running
+    update's rest). A batch of three needs a later group: the prediction with them all
+    starting now, plus 40 s. A batch of one: the sooner of the listed groups alone and that."""
+    many = colocated(1000)
+    listed = (queued("a1", "a", 2), queued("b1", "b", 5))
+    work = WorkloadSnapshot(trajectories=listed, not_started=2, stats=stats(False))
+
+    def at(m: int, after_s: float) -> float:
+        nb = NextBatch(groups_needed=m, group_size=1, not_started_after_s=after_s)
+        return predict(work.model_copy(update={"next_batch": nb}), many, PROFILE).completion_s
+
+    assert at(3, 40.0) == pytest.approx(at(3, 0.0) + 40.0)
+    alone = WorkloadSnapshot(trajectories=listed, stats=stats(False))
+    first_listed = predict(asking(alone, 1, 1), many, PROFILE).completion_s
+    assert at(1, 40.0) == pytest.approx(min(first_listed, at(1, 0.0) + 40.0))
+    assert at(1, 40.0) == pytest.approx(first_listed)  # 2 turns alone beat 40 s of waiting
