@@ -62,36 +62,8 @@ import numpy as np
 
 from pearl.core.profile import EngineProfile, RuntimeProfile
 from pearl.core.roles import INFERENCE_ROLES, Role
+from pearl.serving.requests import PartialOutput, Request
 from pearl.sim.kv_cache import BLOCK_TOKENS, KvCache, blocks_for
-
-
-@dataclass(frozen=True, slots=True)
-class Request:
-    """One turn of one trajectory sent to an instance."""
-
-    request_id: str
-    traj_id: str
-    context_tokens: int  # the whole prompt of this turn
-    output_tokens: int  # tokens to generate (ignored by prefill instances)
-    kv_ready_tokens: int = 0  # prompt tokens whose KV arrived from a prefill instance
-
-
-@dataclass(frozen=True, slots=True)
-class PartialOutput:
-    """A request taken off an instance, with the tokens it generated there so far."""
-
-    request: Request
-    num_generated_tokens: int
-
-    def continuation(self, request_id: str) -> Request:
-        """The rest of the turn as a new request (its output so far joins the prompt)."""
-        r = self.request
-        return Request(
-            request_id,
-            r.traj_id,
-            r.context_tokens + self.num_generated_tokens,
-            r.output_tokens - self.num_generated_tokens,
-        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 
 from pearl.core.profile import RuntimeProfile
 from pearl.core.roles import Role
-from pearl.sim.engine import EngineModel, EngineStepResult, KvHandoff, PartialOutput, Request
+from pearl.serving.requests import PartialOutput, Request
+from pearl.sim.engine import EngineModel, EngineStepResult, KvHandoff
 
 MAX_STEPS_PER_CALL = 4096
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pearl.core.workload import TrajectoryProgress, TrajPhase, TurnStats, WorkloadSnapshot
-from pearl.sim.engine import Request
+from pearl.serving.requests import Request
 from pearl.sim.trajectories import TrajectoryModel, TrajectorySpec, sample_trajectories
 
 _CHUNK = 256  # trajectories drawn from the seeded stream at a time

@@ -62,10 +62,11 @@ from pearl.runlog.schema import (
     TrainStep,
     TrajectoryFinished,
 )
+from pearl.serving.requests import PartialOutput, Request
 from pearl.sim.allocations import ElasticAllocations
 from pearl.sim.availability import Window
 from pearl.sim.baselines import SimPolicy
-from pearl.sim.engine import KvHandoff, PartialOutput, Request, kv_transfer_s
+from pearl.sim.engine import KvHandoff, kv_transfer_s
 from pearl.sim.events import EventLoop
 from pearl.sim.execution import PlanExecution
 from pearl.sim.fleet import Fleet, Instance, handoff_request

@@ -18,7 +18,8 @@ from pearl.core.profile import (
     RuntimeProfile,
 )
 from pearl.core.roles import Role
-from pearl.sim.engine import EngineModel, EngineStepResult, Request, kv_transfer_s
+from pearl.serving.requests import Request
+from pearl.sim.engine import EngineModel, EngineStepResult, kv_transfer_s
 from pearl.sim.kv_cache import BLOCK_TOKENS
 
 CAPACITY_TOKENS = 100_000
