@@ -254,17 +254,20 @@ class Simulation:
             return []  # the instance was removed mid-step
         return self._step_outcome(inst) + self._kick(inst, now_s)
 
-    def _step_outcome(self, inst: Instance) -> Follow:
-        """The finished turns and prefill handoffs of the instance's step in flight."""
+    def _step_outcome(self, inst: Instance, until_s: float = math.inf) -> Follow:
+        """The finished turns and prefill handoffs of the instance's step in flight, at
+        their times in the step but no later than ``until_s``."""
         start_s = inst.step_started_s
         result = self.fleet.end_step(inst)
         out: Follow = []
         for h in result.handoffs:
             traj = self.rollout.in_flight[h.request.traj_id]
-            out += self._send_handoff(traj, h, inst, start_s + h.ready_offset_s)
+            ready_s = min(start_s + h.ready_offset_s, until_s)
+            out += self._send_handoff(traj, h, inst, ready_s)
         for f in result.finished:
             traj = self.rollout.in_flight[f.request.traj_id]
-            out += self._turn_done(traj, start_s + f.finish_offset_s, inst.weights_version)
+            done_s = min(start_s + f.finish_offset_s, until_s)
+            out += self._turn_done(traj, done_s, inst.weights_version)
         return out
 
     def take_off_nodes(self, nodes: set[str], now_s: float) -> Follow:
@@ -275,13 +278,15 @@ class Simulation:
         return out
 
     def take_off(self, worker_id: str, now_s: float) -> Follow:
-        """The instance leaves the fleet. Its step in flight completes (the engine has
-        already retired what it finishes: dropping it would lose those turns), and every
-        request left on it continues elsewhere with the tokens it generated."""
+        """The instance leaves the fleet. Its step in flight completes now (the engine has
+        already retired what it finishes: dropping it would lose those turns; a step runs
+        past a control event only when it is a call's one step, so a turn ends at most
+        that step early, and the log stays in time order), and every request left on it
+        continues elsewhere with the tokens it generated."""
         inst = self.fleet.instances.get(worker_id)
         if inst is None:
             return []
-        out = self._step_outcome(inst) if inst.busy_until_s is not None else []
+        out = self._step_outcome(inst, now_s) if inst.busy_until_s is not None else []
         return out + self.resubmit(self.fleet.remove(worker_id), now_s, inst.weights_version)
 
     def _send_handoff(
