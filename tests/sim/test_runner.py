@@ -41,7 +41,7 @@ def test_a_lone_trajectory_finishes_at_cold_start_plus_the_engine_formula(turns:
     assert first.transition_s == pytest.approx(F.profile().costs.engine_cold_start_s)
     finished = F.of_type(r.records, "trajectory_finished")[0]
     assert finished.traj_id == "t0000000" and finished.num_turns == turns
-    inst = r.sim.fleet.instances[r.sim.fleet.affinity[finished.traj_id]]
+    inst = r.sim.fleet.affinity[finished.traj_id].instance
     engine = F.profile().engine(inst.gpu_type, inst.tp)
     assert engine is not None and inst.engine.engine == engine
 
