@@ -1,12 +1,11 @@
 """A user's case: short outputs per turn on the shipped Qwen3-8B scenario.
 
 With ``rollout.workload.output_tokens_per_turn: 27.9`` (the data's mean is 261.6), roll-fixed
-fell from ~24,600 to ~14,000 traj/h under the routing rule that left a trajectory's home
-whenever the home had a request queued: most returning turns lost their cached prefix and
-recomputed it. Measured on this 600 s run, seed 0 (in-order batching, to compare routing
-alone): that rule 14,052 traj/h with 77.5% of returning turns sent to an instance caching
-less of their prefix than another entry instance did; the cost-aware rule
-(``pearl.serving.routing``) 31,722 traj/h and 4.9%; keeping every turn home 31,782. The
+fell from 24,540 to 14,052 traj/h on this 600 s run (seed 0, in-order batching, to compare
+routing alone) under the routing rule that left a trajectory's home whenever the home had
+a request queued: 77.5% of returning turns went to an instance caching less of their
+prefix than another entry instance did, and recomputed it. Under the cost-aware rule
+(``pearl.serving.routing``): 31,722 traj/h and 4.9%; keeping every turn home: 31,782. The
 thresholds sit between the rules with wide margins. The share is measured on the engines'
 caches (not the router's belief), so the test reads the same under either rule.
 """
