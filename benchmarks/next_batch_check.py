@@ -50,7 +50,8 @@ from pearl.core.workload import (
 from pearl.io.documents import load_profile
 from pearl.io.scenarios import load_scenario_and_profile
 from pearl.io.simulation import run_inputs
-from pearl.sim.engine import EngineModel, EngineStepResult, Request
+from pearl.serving.requests import Request
+from pearl.sim.engine import EngineModel, EngineStepResult
 from pearl.sim.rollout import trajectory_stream
 from pearl.sim.runner import trajectory_rng
 from pearl.sim.trajectories import TrajectorySpec, turns_left_table

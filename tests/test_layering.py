@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PURE_PACKAGES = ["pearl/core", "pearl/rollout", "pearl/sim"]
+PURE_PACKAGES = ["pearl/core", "pearl/rollout", "pearl/serving", "pearl/sim"]
 PURE_FILES = [  # the run-log schema and its records, shared by simulator and shell
     "pearl/runlog/schema.py",
     "pearl/runlog/records.py",

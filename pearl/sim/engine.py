@@ -37,6 +37,11 @@ arrived, so they skip the prefill; one preempted there is recomputed locally, as
 does); a ``prefill`` instance ends a request when its prompt is computed (``max_tokens=1``)
 and reports a ``KvHandoff`` of its ``context_tokens``.
 
+What a router reads of an instance (``pearl.serving.views``): ``num_requests`` (running and
+waiting), ``num_decoding`` and ``decoding_context_tokens`` (the batch decoding a token per
+step), ``queued_prefill()`` (the prompt tokens still to compute ahead of a new request, and
+their attention's token pairs).
+
 ``step(max_steps=k)`` may run up to ``k`` decode steps at once when nothing can change
 the batch in between (every running sequence decoding, no admission possible, blocks for
 the growth available): the same outcome as ``k`` single steps, in one call whose cost does
@@ -46,7 +51,8 @@ Invariants (asserted by ``tests/sim/test_engine.py``):
 - held and cached KV never exceed ``kv_capacity_tokens`` (rounded down to blocks);
 - every submitted request finishes (or hands off), is queued (after a preemption too),
   or is returned with its partial output by ``abort``, ``drain`` or ``abort_all``: none
-  disappears and none is reported twice;
+  disappears and none is reported twice; ``num_requests`` counts those still here
+  (running and waiting);
 - a step with work lasts more than 0 s; an idle engine's step lasts 0 s and reports nothing;
 - the same calls give the same results, bit for bit.
 """
@@ -62,36 +68,8 @@ import numpy as np
 
 from pearl.core.profile import EngineProfile, RuntimeProfile
 from pearl.core.roles import INFERENCE_ROLES, Role
+from pearl.serving.requests import PartialOutput, Request
 from pearl.sim.kv_cache import BLOCK_TOKENS, KvCache, blocks_for
-
-
-@dataclass(frozen=True, slots=True)
-class Request:
-    """One turn of one trajectory sent to an instance."""
-
-    request_id: str
-    traj_id: str
-    context_tokens: int  # the whole prompt of this turn
-    output_tokens: int  # tokens to generate (ignored by prefill instances)
-    kv_ready_tokens: int = 0  # prompt tokens whose KV arrived from a prefill instance
-
-
-@dataclass(frozen=True, slots=True)
-class PartialOutput:
-    """A request taken off an instance, with the tokens it generated there so far."""
-
-    request: Request
-    num_generated_tokens: int
-
-    def continuation(self, request_id: str) -> Request:
-        """The rest of the turn as a new request (its output so far joins the prompt)."""
-        r = self.request
-        return Request(
-            request_id,
-            r.traj_id,
-            r.context_tokens + self.num_generated_tokens,
-            r.output_tokens - self.num_generated_tokens,
-        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,6 +151,7 @@ class EngineModel:
         self._running: dict[_Seq, None] = {}  # oldest first
         self._prefilling: dict[_Seq, None] = {}  # running with a partly computed prompt
         self._by_id: dict[str, _Seq] = {}
+        self.num_requests = 0  # running and waiting: len(self._by_id), read per route
         self._accepting = True
         self._dec = 0  # decode steps run by the decoding sequences, lazily applied
         self._ctx = 0  # true num_tokens summed over the decoding sequences
@@ -209,6 +188,35 @@ class EngineModel:
         """Tokens' worth of blocks held or cached (block granularity)."""
         return (self.kv.num_held_blocks + self.kv.num_cached_blocks) * BLOCK_TOKENS
 
+    @property
+    def num_decoding(self) -> int:
+        """Running sequences whose prompt is computed (each decodes a token per step)."""
+        return len(self._running) - len(self._prefilling)
+
+    @property
+    def decoding_context_tokens(self) -> int:
+        """Tokens in KV of the decoding sequences, summed."""
+        return self._ctx
+
+    def queued_prefill(self) -> tuple[int, int]:
+        """The prefill work ahead of a request queued now: the prompt tokens still to
+        compute of the sequences prefilling and waiting (a waiting one less the prefix it
+        would reuse now, or the KV that arrived for it), and the token pairs their
+        attention computes (``(p + n)**2 - p**2`` for ``n`` new after ``p`` computed)."""
+        tokens = 0
+        pairs = 0
+        for seq in self._prefilling:
+            p, e = seq.num_computed, seq.num_tokens
+            tokens += e - p
+            pairs += e * e - p * p
+        for seq in self._waiting:
+            e = seq.num_tokens
+            hit = min(self.kv.cached_tokens(seq.request.traj_id), e - 1)
+            p = max(hit, min(seq.kv_ready_tokens, e))
+            tokens += e - p
+            pairs += e * e - p * p
+        return tokens, pairs
+
     def num_generated(self, request_id: str) -> int:
         seq = self._by_id[request_id]
         if seq.decoding:
@@ -244,6 +252,7 @@ class EngineModel:
         seq = _Seq(request, request.context_tokens, kv_ready_tokens=request.kv_ready_tokens)
         self._waiting.append(seq)
         self._by_id[request.request_id] = seq
+        self.num_requests += 1
 
     def abort(self, request_id: str) -> PartialOutput | None:
         """Take one request off, wherever it is; None if it is not here."""
@@ -549,11 +558,13 @@ class EngineModel:
 
     def _retire(self, seq: _Seq) -> None:
         del self._by_id[seq.request.request_id]
+        self.num_requests -= 1
         self._remove_running(seq)
         self._release(seq)
 
     def _forget(self, seq: _Seq) -> PartialOutput:
         del self._by_id[seq.request.request_id]
+        self.num_requests -= 1
         return PartialOutput(seq.request, seq.num_generated)
 
     def _take_waiting(self) -> tuple[PartialOutput, ...]:

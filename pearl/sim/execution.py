@@ -28,7 +28,7 @@ from pearl.core.execution import STEP_EFFECTS, StepEffect
 from pearl.core.plan import PlanStep, TransitionPlan
 from pearl.core.state import ClusterState
 from pearl.runlog.schema import PlanStepDone, Record
-from pearl.sim.engine import PartialOutput
+from pearl.serving.requests import PartialOutput
 from pearl.sim.fleet import Fleet
 from pearl.sim.timeline import Follow, Kick, PlanStepEnds, PlanStepStarts, Unpark
 

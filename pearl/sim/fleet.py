@@ -6,12 +6,25 @@ step (the engine computes it at once), the caller schedules the step's end, and
 ``end_step`` hands over its results (finished turns, KV handoffs). Nothing here keeps a
 clock or a heap.
 
-Routing (a vLLM router with prefix affinity): a turn goes to the instance that served
-the trajectory's previous turn while that instance accepts requests and has none queued
-(its prefix is cached there), else to the least-loaded entry instance: colocated, or prefill when
-decode instances exist to take the KV. A prefill instance's handoff goes to the
-least-loaded decode instance after the KV transfer. With no entry instance (every one
-starting, switching or gone) a turn is parked and routed when one joins.
+Routing is ``pearl.serving.routing``'s (its docstring states the rules): the fleet hands
+the rules its instances as the router's views (an ``Instance`` is an ``InstanceLoad``; the
+``Candidates`` are kept until an instance joins, leaves or stops accepting) and builds the
+``InstanceQueue`` of the few a turn's cost is weighed on. A turn stays on the instance of
+its trajectory's previous turn (its *home*, where its prefix is cached) unless it is
+expected to finish sooner on the least-loaded entry instance (colocated, or prefill when
+decode instances exist to take the KV), recomputing the prefix there. A prefill
+instance's handoff goes to the least-loaded decode instance after the KV transfer. With
+no entry instance (every one starting, switching or gone) a turn is parked and routed
+when one joins.
+
+The views are what a router knows: the home and the prefix the router left there (the
+prompt it last sent, and the output when the instance also decoded it; an instance that
+left, or a new one under the same worker id, is no home), each instance's requests
+running, waiting and in flight to it, its queued prefill work and decoding batch
+(``EngineModel.queued_prefill``), and the mean output of the requests finished so far
+(``expected_output_tokens``; the profile's mean until one has). A turn is routed when it
+is sent (at the start of its tool call, so that the instance can stop its multi-step run
+when the turn arrives), on the views of that moment.
 
 Multi-step: an instance runs many decode steps in one call, but never past the next
 request it knows will arrive (``due_s``, a turn coming back from its tool call or a KV
@@ -30,9 +43,12 @@ import heapq
 import math
 from dataclasses import dataclass, field
 
-from pearl.core.profile import RuntimeProfile
+from pearl.core.profile import EngineProfile, RuntimeProfile
 from pearl.core.roles import Role
-from pearl.sim.engine import EngineModel, EngineStepResult, KvHandoff, PartialOutput, Request
+from pearl.serving import routing
+from pearl.serving.requests import PartialOutput, Request
+from pearl.serving.views import InstanceQueue
+from pearl.sim.engine import EngineModel, EngineStepResult, KvHandoff
 
 MAX_STEPS_PER_CALL = 4096
 
@@ -52,10 +68,12 @@ class Instance:
     paused_until_s: float = 0.0  # e.g. loading new weights
     due: list[tuple[float, str]] = field(default_factory=list)  # (arrival time, request id)
     num_assigned: int = 0  # requests in flight to it (tool call or KV transfer)
+    accepting: bool = True  # takes new requests (False once draining or removed)
 
     @property
     def load(self) -> int:
-        return self.engine.num_running + self.engine.num_waiting + self.num_assigned
+        """Requests running, waiting and in flight to it (``InstanceLoad.load``)."""
+        return self.engine.num_requests + self.num_assigned
 
     def next_due_s(self, now_s: float) -> float:
         while self.due and self.due[0][0] < now_s:
@@ -63,15 +81,27 @@ class Instance:
         return self.due[0][0] if self.due else math.inf
 
 
+@dataclass(frozen=True, slots=True)
+class Home:
+    """Where the router last sent a trajectory, and the prefix it left cached there."""
+
+    instance: Instance
+    prefix_tokens: int  # the prompt it sent, with the output if that instance decoded it
+
+
 class Fleet:
-    """Instances by worker id, the trajectory-to-instance affinity, parked requests."""
+    """Instances by worker id, each trajectory's home, parked requests."""
 
     def __init__(self, profile: RuntimeProfile) -> None:
         self.profile = profile
         self.instances: dict[str, Instance] = {}
-        self.accepting: set[str] = set()
-        self.affinity: dict[str, str] = {}  # traj id -> instance of its last turn
+        self.affinity: dict[str, Home] = {}  # traj id -> instance of its last turn
         self.parked: list[Request] = []
+        self._engines: frozenset[EngineProfile] | None = None
+        self._candidates: routing.Candidates | None = None  # until membership changes
+        # the output tokens of the requests finished so far (the router's observation)
+        self.finished_requests = 0
+        self.finished_output_tokens = 0
 
     # --- membership --------------------------------------------------------------------
 
@@ -81,59 +111,99 @@ class Fleet:
         engine = EngineModel.from_profile(role, self.profile, gpu_type, tp)
         inst = Instance(worker_id, role, gpu_type, node, tp, engine, version)
         self.instances[worker_id] = inst
-        self.accepting.add(worker_id)
+        self._engines = self._candidates = None
         return inst
 
     def stop_accepting(self, worker_id: str) -> tuple[PartialOutput, ...]:
         """Drain: no new requests; its queued ones come back to be routed elsewhere."""
-        self.accepting.discard(worker_id)
         inst = self.instances.get(worker_id)
-        return inst.engine.drain() if inst else ()
+        if inst is None:
+            return ()
+        inst.accepting = False
+        self._candidates = None
+        return inst.engine.drain()
 
     def remove(self, worker_id: str) -> tuple[PartialOutput, ...]:
         """The instance leaves; every request on it comes back with its partial output."""
-        self.accepting.discard(worker_id)
         inst = self.instances.pop(worker_id, None)
         if inst is None:
             return ()
+        inst.accepting = False
+        self._candidates = None
         return inst.engine.abort_all()
 
     def accepts(self, inst: Instance) -> bool:
         """The instance is still in the fleet (not one that left under the same worker id,
         as a switch does) and takes requests."""
-        return self.instances.get(inst.worker_id) is inst and inst.worker_id in self.accepting
+        return inst.accepting and self.instances.get(inst.worker_id) is inst
+
+    def candidates(self) -> routing.Candidates:
+        """The accepting instances by what they may take (kept until membership changes)."""
+        if self._candidates is None:
+            self._candidates = routing.candidates(self.instances.values())
+        return self._candidates
 
     def entry_ids(self) -> list[str]:
         """Accepting instances a new turn may start on."""
-        has_decode = any(self.instances[w].role is Role.DECODE for w in self.accepting)
-        return [
-            w
-            for w in self.accepting
-            if self.instances[w].role is Role.COLOCATED
-            or (self.instances[w].role is Role.PREFILL and has_decode)
-        ]
+        return [v.worker_id for v in self.candidates().entries]
 
     # --- routing -------------------------------------------------------------------------
 
+    def queue(self, worker_id: str) -> InstanceQueue:
+        """The router's view of the work ahead on one instance."""
+        inst = self.instances[worker_id]
+        engine = inst.engine
+        tokens, pairs = engine.queued_prefill()
+        return InstanceQueue(
+            engine.engine,
+            tokens,
+            pairs,
+            engine.num_decoding,
+            engine.decoding_context_tokens,
+            inst.load,
+        )
+
+    @property
+    def expected_output_tokens(self) -> float:
+        """The mean output of the requests finished so far (of a turn, or of what was left
+        of it), the profile's mean output per turn until one has."""
+        if self.finished_requests == 0:
+            return self.profile.workload.output_tokens_per_turn
+        return self.finished_output_tokens / self.finished_requests
+
+    def engines(self) -> frozenset[EngineProfile]:
+        """The engine profiles of the instances (kept until an instance joins)."""
+        if self._engines is None:
+            self._engines = frozenset(inst.engine.engine for inst in self.instances.values())
+        return self._engines
+
     def route(self, request: Request) -> Instance | None:
-        """The instance a turn goes to (affinity first), or None: park it."""
-        wid = self.affinity.get(request.traj_id)
-        if wid in self.accepting:
-            inst = self.instances[wid]
-            if inst.role is not Role.DECODE and inst.engine.num_waiting == 0:
-                return inst
-        entries = self.entry_ids()
-        if not entries:
+        """The instance a turn goes to (``routing.route_turn``), or None: park it."""
+        home = self.affinity.get(request.traj_id)
+        if home is not None and not self.accepts(home.instance):
+            home = None  # it left, or stopped accepting: no home
+        wid = routing.route_turn(
+            request.context_tokens,
+            self.expected_output_tokens,
+            self.candidates(),
+            home.instance if home is not None else None,
+            home.prefix_tokens if home is not None else 0,
+            self.queue,
+            self.engines(),
+        )
+        if wid is None:
             return None
-        best = min(entries, key=lambda w: (self.instances[w].load, w))
-        self.affinity[request.traj_id] = best
-        return self.instances[best]
+        inst = self.instances[wid]
+        prefix = request.context_tokens
+        if inst.role is Role.COLOCATED:
+            prefix += request.output_tokens
+        self.affinity[request.traj_id] = Home(inst, prefix)
+        return inst
 
     def route_decode(self) -> Instance | None:
-        decodes = [w for w in self.accepting if self.instances[w].role is Role.DECODE]
-        if not decodes:
-            return None
-        return self.instances[min(decodes, key=lambda w: (self.instances[w].load, w))]
+        """The decode instance a prefill's KV goes to (``routing.route_decode``), or None."""
+        wid = routing.route_decode(self.candidates())
+        return self.instances[wid] if wid is not None else None
 
     def expect(self, inst: Instance, request_id: str, arrival_s: float) -> None:
         """A request will reach ``inst`` at ``arrival_s``: bound its multi-step runs."""
@@ -163,6 +233,9 @@ class Fleet:
         result = inst.result
         assert result is not None and inst.busy_until_s is not None
         inst.result, inst.busy_until_s = None, None
+        for f in result.finished:
+            self.finished_requests += 1
+            self.finished_output_tokens += f.request.output_tokens
         return result
 
 

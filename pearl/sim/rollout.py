@@ -40,7 +40,7 @@ from pearl.core.workload import (
 )
 from pearl.rollout.ledger import ConsumedBatch, PastBoundOutcome, RolloutLedger
 from pearl.rollout.rules import Batching, RolloutRules
-from pearl.sim.engine import Request
+from pearl.serving.requests import Request
 from pearl.sim.trajectories import TrajectoryModel, TrajectorySpec, sample_trajectories
 
 _CHUNK = 256  # trajectories drawn from the seeded stream at a time

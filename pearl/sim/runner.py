@@ -64,10 +64,11 @@ from pearl.runlog.schema import (
     TrainStep,
     TrajectoryFinished,
 )
+from pearl.serving.requests import PartialOutput, Request
 from pearl.sim.allocations import ElasticAllocations
 from pearl.sim.availability import Window
 from pearl.sim.baselines import SimPolicy
-from pearl.sim.engine import KvHandoff, PartialOutput, Request, kv_transfer_s
+from pearl.sim.engine import KvHandoff, kv_transfer_s
 from pearl.sim.events import EventLoop
 from pearl.sim.execution import PlanExecution
 from pearl.sim.fleet import Fleet, Instance, handoff_request
@@ -260,19 +261,22 @@ class Simulation:
             return []  # the instance was removed mid-step
         return self._step_outcome(inst) + self._kick(inst, now_s)
 
-    def _step_outcome(self, inst: Instance) -> Follow:
-        """The finished turns and prefill handoffs of the instance's step in flight."""
+    def _step_outcome(self, inst: Instance, until_s: float = math.inf) -> Follow:
+        """The finished turns and prefill handoffs of the instance's step in flight, at
+        their times in the step but no later than ``until_s``."""
         start_s = inst.step_started_s
         result = self.fleet.end_step(inst)
         out: Follow = []
         for h in result.handoffs:
             traj = self._live(h.request)
             if traj is not None:
-                out += self._send_handoff(traj, h, inst, start_s + h.ready_offset_s)
+                ready_s = min(start_s + h.ready_offset_s, until_s)
+                out += self._send_handoff(traj, h, inst, ready_s)
         for f in result.finished:
             traj = self._live(f.request)
             if traj is not None:
-                out += self._turn_done(traj, start_s + f.finish_offset_s, inst.weights_version)
+                done_s = min(start_s + f.finish_offset_s, until_s)
+                out += self._turn_done(traj, done_s, inst.weights_version)
         return out
 
     def _live(self, request: Request) -> Trajectory | None:
@@ -289,13 +293,15 @@ class Simulation:
         return out
 
     def take_off(self, worker_id: str, now_s: float) -> Follow:
-        """The instance leaves the fleet. Its step in flight completes (the engine has
-        already retired what it finishes: dropping it would lose those turns), and every
-        request left on it continues elsewhere with the tokens it generated."""
+        """The instance leaves the fleet. Its step in flight completes now (the engine has
+        already retired what it finishes: dropping it would lose those turns; a step runs
+        past a control event only when it is a call's one step, so a turn ends at most
+        that step early, and the log stays in time order), and every request left on it
+        continues elsewhere with the tokens it generated."""
         inst = self.fleet.instances.get(worker_id)
         if inst is None:
             return []
-        out = self._step_outcome(inst) if inst.busy_until_s is not None else []
+        out = self._step_outcome(inst, now_s) if inst.busy_until_s is not None else []
         return out + self.resubmit(self.fleet.remove(worker_id), now_s, inst.weights_version)
 
     def _send_handoff(

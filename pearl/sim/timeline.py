@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from pearl.sim.engine import Request
+from pearl.serving.requests import Request
 from pearl.sim.fleet import Instance
 from pearl.sim.slurm import SlurmEvent
 

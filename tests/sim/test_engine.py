@@ -18,7 +18,8 @@ from pearl.core.profile import (
     RuntimeProfile,
 )
 from pearl.core.roles import Role
-from pearl.sim.engine import EngineModel, EngineStepResult, Request, kv_transfer_s
+from pearl.serving.requests import Request
+from pearl.sim.engine import EngineModel, EngineStepResult, kv_transfer_s
 from pearl.sim.kv_cache import BLOCK_TOKENS
 
 CAPACITY_TOKENS = 100_000
@@ -58,6 +59,7 @@ def run_to_end(
 ) -> list[EngineStepResult]:
     results = []
     while engine.has_work:
+        assert engine.num_requests == engine.num_running + engine.num_waiting
         results.append(engine.step(max_steps))
         assert engine.kv_used_tokens <= engine.kv.num_blocks * BLOCK_TOKENS
         assert len(results) < limit, "engine does not make progress"
@@ -131,6 +133,25 @@ def test_the_next_turn_prefills_only_new_tokens_while_its_prefix_is_cached() -> 
     assert engine.step().num_prefill_tokens == 1400
 
 
+def test_queued_prefill_is_the_prompt_work_ahead_less_the_cached_prefixes() -> None:
+    engine = make_engine(max_batched_tokens=512)
+    engine.submit(Request("t1-0", "t1", context_tokens=1000, output_tokens=100))
+    run_to_end(engine, max_steps=1000)
+    cached = engine.cached_tokens("t1")
+    assert cached == 1088 and engine.queued_prefill() == (0, 0)
+    engine.submit(Request("t2-0", "t2", context_tokens=1300, output_tokens=5))
+    engine.submit(Request("t1-1", "t1", context_tokens=1300, output_tokens=5))
+    pairs_t1 = 1300**2 - cached**2
+    assert engine.queued_prefill() == (1300 + 1300 - cached, 1300**2 + pairs_t1)
+    engine.step()  # t2's first chunk of 512 tokens; t1's turn still waits behind it
+    assert engine.num_decoding == 0 and engine.num_requests == 2
+    assert engine.queued_prefill() == (788 + 1300 - cached, 1300**2 - 512**2 + pairs_t1)
+    while engine.num_decoding < 2:
+        engine.step()
+    assert engine.queued_prefill() == (0, 0)
+    assert engine.decoding_context_tokens == 2 * 1300  # both prompts, computed in one step
+
+
 def test_a_fully_cached_prompt_recomputes_its_last_token() -> None:
     engine = make_engine()
     engine.submit(Request("a", "t", context_tokens=64, output_tokens=16))
@@ -179,7 +200,7 @@ def test_every_request_finishes_once_and_kv_never_overflows(
         )
         for i, (ctx, out) in enumerate(requests):
             engine.submit(Request(f"r{i}", f"t{i % 3}", ctx, out))
-        return run_to_end(engine, max_steps)  # asserts the KV bound after every step
+        return run_to_end(engine, max_steps)  # asserts the KV bound and the counts per step
 
     results = run()
     finished = sorted(f.request.request_id for r in results for f in r.finished)

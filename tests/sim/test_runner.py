@@ -7,8 +7,8 @@ import sim_fixtures as F
 
 from pearl.rollout.ledger import TrajState
 from pearl.runlog.schema import encode
+from pearl.serving.requests import Request
 from pearl.sim.baselines import RUN_POLICIES, make_policy
-from pearl.sim.engine import Request
 from pearl.sim.kv_cache import BLOCK_TOKENS
 from pearl.sim.rollout import trajectory_stream
 from pearl.sim.runner import RunInputs, Simulation, simulate, trajectory_rng
@@ -43,7 +43,7 @@ def test_a_lone_trajectory_finishes_at_cold_start_plus_the_engine_formula(turns:
     assert first.transition_s == pytest.approx(F.profile().costs.engine_cold_start_s)
     finished = F.of_type(r.records, "trajectory_finished")[0]
     assert finished.traj_id == "t0000000" and finished.num_turns == turns
-    inst = r.sim.fleet.instances[r.sim.fleet.affinity[finished.traj_id]]
+    inst = r.sim.fleet.affinity[finished.traj_id].instance
     engine = F.profile().engine(inst.gpu_type, inst.tp)
     assert engine is not None and inst.engine.engine == engine
 

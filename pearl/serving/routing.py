@@ -1,0 +1,176 @@
+"""The routing rules: which instance a turn goes to, and which takes a prefill's KV.
+
+Pure functions over ``pearl.serving.views`` (what a router knows of each instance); the
+simulator's fleet builds the views from its engines, the HTTP router will build them from
+its own bookkeeping. Worker ids are returned, ``None`` when no instance can take the
+request (the caller parks it until one joins).
+
+**Candidates** (``candidates``): the accepting instances a turn may start on (*entries*:
+colocated ones, and prefill ones while some decode instance accepts, to take their KV)
+and the accepting decode instances. They change only when an instance joins, leaves or
+stops accepting, so a router keeps them between those changes.
+
+**Least loaded** (``least_loaded``): the fewest requests running, waiting and incoming;
+ties go to the smallest worker id, so a route is deterministic.
+
+**Prefill -> decode** (``route_decode``): a prefill instance's KV handoff goes to the
+least-loaded decode instance.
+
+**Cost-aware prefix affinity** (``route_turn``). A returning turn's prompt begins with the
+whole context of its trajectory's previous turn, which the instance that served that turn
+(its *home*) holds in its prefix cache; anywhere else that prefix is computed again. A
+first turn, or one whose home left or stopped accepting, goes to the least-loaded entry.
+Otherwise the turn stays home unless its expected time to finish there exceeds that on
+the least-loaded entry (the *alternative*):
+
+    stay  <=>  T(home, prefix cached)  <=  T(alternative, nothing cached)
+    T = wait + prefill(prompt beyond the cached prefix) + expected output * token time
+
+(``pearl.serving.costs``): ``wait`` is the prefill queued ahead of the turn beside the
+instance's decoding batch (``expected_wait_s``); ``prefill`` the turn's own prompt at that
+instance's coefficients; ``token time`` the decode step of the batch the turn joins there
+(everything the instance holds or will hold, and the turn), or, for a prefill instance,
+on the decode instance its KV goes to; the expected output is the mean of the turns
+finished so far (a router does not know a turn's length in advance). Ties stay home.
+
+Read with equal engines: stay unless the queue ahead at home, plus the slower decode of
+a bigger batch there, costs more than recomputing the prefix elsewhere plus the queue
+there. The two halves weigh what the rule it replaces got wrong in both directions. It
+left home whenever home had anything queued; a returning turn's prefix is most of its
+prompt (the shipped workload: a 5,330-token prompt and ~880 tokens more per turn, a few
+hundred new), so leaving turned a short wait behind a neighbour's chunk into a recompute
+of thousands of tokens, which lengthened the queues that made the next turns leave: with
+27.9 output tokens per turn, where queues are nearly always non-empty, 78% of returning
+turns lost their prefix and roll-fixed fell from 24,540 to 14,052 traj/h (600 s of the
+shipped Qwen3-8B scenario). Never leaving is no better: at the shipped output lengths
+trajectories pile up on some instances while others idle, and instances that join (lent
+trainer GPUs, elastic ones) get only first turns; keeping every turn home gave roll-fixed
+18,866 traj/h there against the old rule's 24,574 (1,800 s). Weighing the recompute
+against the wait and the decode keeps turns home while their queue is short and their
+batch like the others, and moves them where an instance has room (``docs/simulator.md``,
+"Routing", has the figures).
+
+What the rule does not weigh: the recompute it causes delays the requests that queue
+behind it elsewhere (the rule is greedy, per turn); the prefix may have been evicted at
+home (the router counts what it sent); requests in flight to an instance count in its
+batch but not in its queue; the KV transfer of a disaggregated turn.
+
+Invariants: every returned id is of an accepting instance among the candidates, an entry
+for a turn and a decode instance for a handoff; a turn with no home, or whose home is not
+an entry any more, goes to the least-loaded entry; the same inputs give the same id; the
+search shortcut (``engines``) never changes the answer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass
+from operator import attrgetter
+
+from pearl.core.profile import EngineProfile
+from pearl.core.roles import Role
+from pearl.serving.costs import fastest_prompt_s, fastest_token_s, prompt_ready_s, turn_s
+from pearl.serving.views import InstanceLoad, InstanceQueue
+
+
+@dataclass(frozen=True, slots=True)
+class Candidates:
+    """The accepting instances by what they may take: entries (a turn may start there)
+    and decode instances (a prefill's KV may go there), each as given (live views: their
+    loads are read at every route). Valid until an instance joins, leaves or stops
+    accepting; a router keeps one between those changes."""
+
+    entries: tuple[InstanceLoad, ...]
+    decodes: tuple[InstanceLoad, ...]
+    entry_ids: frozenset[str]
+
+
+def candidates(loads: Iterable[InstanceLoad]) -> Candidates:
+    """Entries: the accepting colocated instances, and the accepting prefill ones while
+    some decode instance accepts; decodes: the accepting decode instances."""
+    accepting = [v for v in loads if v.accepting]
+    decodes = tuple(v for v in accepting if v.role is Role.DECODE)
+    roles = _ENTRY_WITH_DECODE if decodes else _ENTRY
+    entries = tuple(v for v in accepting if v.role in roles)
+    return Candidates(entries, decodes, frozenset(v.worker_id for v in entries))
+
+
+_ENTRY = frozenset({Role.COLOCATED})
+_ENTRY_WITH_DECODE = frozenset({Role.COLOCATED, Role.PREFILL})
+
+
+def least_loaded(loads: Iterable[InstanceLoad]) -> InstanceLoad | None:
+    """The fewest requests, ties to the smallest worker id; None for no instance."""
+    return min(loads, key=_LOAD_KEY, default=None)
+
+
+_LOAD_KEY = attrgetter("load", "worker_id")
+
+
+def route_turn(
+    prompt_tokens: int,
+    output_tokens: float,
+    among: Candidates,
+    home: InstanceLoad | None,
+    prefix_tokens: int,
+    queue_of: Callable[[str], InstanceQueue],
+    engines: Collection[EngineProfile] = (),
+) -> str | None:
+    """The instance a turn of ``prompt_tokens`` and about ``output_tokens`` output goes
+    to, or None (park it).
+
+    ``home`` is the instance the router last sent this trajectory to, with
+    ``prefix_tokens`` of it cached there (None for a trajectory's first turn; no other
+    instance is taken to cache any of it); ``queue_of(worker_id)`` builds the queue view of
+    one instance, called for the home, the alternative and, when either is a prefill
+    instance, the decode instance its KV would go to. ``engines``, when given, holds the
+    engine profiles of every candidate (a superset will do): a home whose expected turn
+    beats the fastest any of them could do recomputing the whole prompt, alone, keeps the
+    turn without the search for the alternative (the same answer, since no alternative can
+    do better).
+    """
+    home_s: float | None = None
+    is_home = home is not None and home.worker_id in among.entry_ids
+    if home is not None and is_home and home.role is Role.COLOCATED and engines:
+        home_queue = queue_of(home.worker_id)
+        ready_s = prompt_ready_s(home_queue, prompt_tokens, prefix_tokens)
+        home_s = turn_s(ready_s, home_queue, prompt_tokens, output_tokens)
+        floor_s = fastest_prompt_s(engines, prompt_tokens)
+        floor_s += output_tokens * fastest_token_s(engines, prompt_tokens)
+        if home_s <= floor_s:
+            return home.worker_id
+    alternative = least_loaded(among.entries)
+    if alternative is None:
+        return None
+    if home is None or not is_home or home.worker_id == alternative.worker_id:
+        return alternative.worker_id
+    decode_id = None
+    if home.role is Role.PREFILL or alternative.role is Role.PREFILL:
+        decode_id = route_decode(among)
+    if home_s is None:
+        home_s = _turn_s(home, prefix_tokens, prompt_tokens, output_tokens, queue_of, decode_id)
+    alternative_s = _turn_s(alternative, 0, prompt_tokens, output_tokens, queue_of, decode_id)
+    return home.worker_id if home_s <= alternative_s else alternative.worker_id
+
+
+def _turn_s(
+    entry: InstanceLoad,
+    prefix_tokens: int,
+    prompt_tokens: int,
+    output_tokens: float,
+    queue_of: Callable[[str], InstanceQueue],
+    decode_id: str | None,
+) -> float:
+    """The expected turn on an entry instance: decoded there when colocated, on the
+    decode instance a prefill's KV goes to (``decode_id``) otherwise."""
+    queue = queue_of(entry.worker_id)
+    ready_s = prompt_ready_s(queue, prompt_tokens, prefix_tokens)
+    if entry.role is Role.PREFILL and decode_id is not None:
+        return turn_s(ready_s, queue_of(decode_id), prompt_tokens, output_tokens)
+    return turn_s(ready_s, queue, prompt_tokens, output_tokens)
+
+
+def route_decode(among: Candidates) -> str | None:
+    """The decode instance a prefill's KV goes to: the least-loaded accepting one."""
+    best = least_loaded(among.decodes)
+    return best.worker_id if best is not None else None

@@ -1,0 +1,95 @@
+"""The simulator's fleet routes with pearl.serving's rules: the views it builds, the home
+it records, and what a queue does to a returning turn."""
+
+from __future__ import annotations
+
+from functools import cache
+
+from pearl.core.profile import RuntimeProfile
+from pearl.core.roles import Role
+from pearl.io.documents import load_profile
+from pearl.serving.requests import Request
+from pearl.sim.fleet import Fleet
+
+
+@cache
+def profile() -> RuntimeProfile:
+    return load_profile("qwen3-8b")
+
+
+def fleet(*roles: Role) -> Fleet:
+    f = Fleet(profile())
+    for i, role in enumerate(roles):
+        f.add(f"w{i}", role, "h20", "n0", 1, 0)
+    return f
+
+
+def queue_fresh_prompts(f: Fleet, worker_id: str, n: int, tokens: int = 5330) -> None:
+    """``n`` more first turns of other trajectories waiting on the instance."""
+    engine = f.instances[worker_id].engine
+    for _ in range(n):
+        i = engine.num_requests
+        engine.submit(Request(f"o{i}.0.1", f"o{i}", tokens, 100))
+
+
+def test_a_turn_records_its_home_and_the_prefix_it_leaves_there() -> None:
+    f = fleet(Role.COLOCATED, Role.COLOCATED)
+    inst = f.route(Request("t.0.1", "t", 5330, 262))
+    assert inst is not None and inst.worker_id == "w0"  # tie: the smaller worker id
+    home = f.affinity["t"]
+    assert home.instance is inst and home.prefix_tokens == 5330 + 262
+    assert f.queue("w0").batch_seqs == 0  # routed, not yet expected there: nothing counted
+    f.expect(inst, "t.0.1", 1.0)
+    assert f.queue("w0").batch_seqs == 1 and inst.load == 1
+    pd = fleet(Role.PREFILL, Role.DECODE)
+    pf = pd.route(Request("t.0.1", "t", 5330, 262))
+    assert pf is not None and pf.role is Role.PREFILL
+    assert pd.affinity["t"].prefix_tokens == 5330  # a prefill instance never sees the output
+    decode = pd.route_decode()
+    assert decode is not None and decode.worker_id == "w1"
+
+
+def test_a_returning_turn_stays_behind_a_short_queue_and_leaves_a_long_one() -> None:
+    f = fleet(Role.COLOCATED, Role.COLOCATED)
+    f.route(Request("t.0.1", "t", 5330, 262))
+    second = Request("t.1.2", "t", 5330 + 262 + 614, 262)
+    queue_fresh_prompts(f, "w0", 1, tokens=900)  # the old rule left whenever anything queued
+    inst = f.route(second)
+    assert inst is not None and inst.worker_id == "w0"
+    queue_fresh_prompts(f, "w0", 6)
+    inst = f.route(second)
+    assert inst is not None and inst.worker_id == "w1"
+    assert f.affinity["t"].instance is inst  # the new home
+
+
+def test_an_instance_that_left_is_no_home_even_under_the_same_worker_id() -> None:
+    f = fleet(Role.COLOCATED, Role.COLOCATED)
+    f.route(Request("t.0.1", "t", 5330, 262))
+    f.remove("w0")
+    f.add("w0", Role.COLOCATED, "h20", "n0", 1, 1)  # a switch: a new engine, no cache
+    queue_fresh_prompts(f, "w0", 1, tokens=900)  # short enough for a home to keep the turn
+    inst = f.route(Request("t.1.2", "t", 5330 + 262 + 614, 262))
+    assert inst is not None and inst.worker_id == "w1"
+
+
+def test_the_expected_output_is_the_mean_of_the_finished_requests() -> None:
+    f = fleet(Role.COLOCATED)
+    assert f.expected_output_tokens == profile().workload.output_tokens_per_turn
+    inst = f.instances["w0"]
+    inst.engine.submit(Request("a.0.1", "a", 100, 10))
+    inst.engine.submit(Request("b.0.1", "b", 100, 30))
+    while f.finished_requests < 2:
+        f.start_step(inst, 0.0, float("inf"))
+        f.end_step(inst)
+    assert f.expected_output_tokens == 20.0
+
+
+def test_a_draining_home_sends_its_turns_elsewhere_and_no_entry_parks_them() -> None:
+    f = fleet(Role.COLOCATED, Role.COLOCATED)
+    f.route(Request("t.0.1", "t", 5330, 262))
+    f.stop_accepting("w0")
+    inst = f.route(Request("t.1.2", "t", 6206, 262))
+    assert inst is not None and inst.worker_id == "w1"
+    f.stop_accepting("w1")
+    assert f.route(Request("t.1.3", "t", 6206, 262)) is None
+    assert f.route_decode() is None
