@@ -1,7 +1,5 @@
 """Inputs for the oracle tests (a plain module): a toy profile whose costs are round
-numbers, small scenarios on it, hand-made trajectories, and a frozen copy of the in-order
-bound as it was before first-completed batching (``pearl/sim/oracle.py`` at 25fccb2), so
-that a test can show the in-order bound unchanged bit for bit.
+numbers, small scenarios on it, and hand-made trajectories.
 
 The toy engine (one GPU type ``toy``, tp 1): prefill costs nothing; a decode step lasts
 0.01 s whatever its batch (at most 4 sequences) and context. So a trajectory of ``o``
@@ -12,10 +10,7 @@ trainer's 1 s offload and a 1 s wake, cheaper than the 5 s cold start).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
-
-import numpy as np
 
 from pearl.core.profile import (
     DecodeCoeffs,
@@ -28,7 +23,6 @@ from pearl.core.profile import (
     TransitionCosts,
     WorkloadDefaults,
 )
-from pearl.sim.availability import Window
 from pearl.sim.scenario import Scenario
 from pearl.sim.trajectories import TrajectorySpec
 
@@ -109,74 +103,3 @@ def spec(own_s: float) -> TrajectorySpec:
     """A one-turn trajectory of one prompt token whose own time on the toy engine is
     ``own_s`` (``100 own_s`` output tokens, no tool)."""
     return TrajectorySpec(1, (0,), (round(own_s / STEP_S),), ())
-
-
-def reference_in_order_bound(
-    scenario: Scenario,
-    profile: RuntimeProfile,
-    windows: tuple[Window, ...],
-    stream: Iterable[TrajectorySpec],
-) -> tuple[int, int, int, float]:
-    """``oracle_bound`` of 25fccb2 (in-order semantics only), as (trajectories,
-    by_critical_path, by_capacity, capacity_gpu_s). Frozen: do not edit."""
-    T = scenario.duration_s
-    c = scenario.cluster
-    types = {c.trainer.gpu_type, c.rollout.gpu_type} | {w.gpu_type for w in windows}
-    engines = [e for t in types if t in profile.gpus for e in profile.gpus[t].engines]
-    batch_sizes = np.arange(1, max(e.max_num_seqs for e in engines) + 1)
-    decode_token_s = min(
-        float(np.min(e.decode.step_s(batch_sizes[: e.max_num_seqs], 0))) for e in engines
-    )
-    decode_gpu_s = min(
-        float(
-            np.min(
-                e.tp
-                * e.decode.step_s(batch_sizes[: e.max_num_seqs], 0)
-                / batch_sizes[: e.max_num_seqs]
-            )
-        )
-        for e in engines
-    )
-    prefill_gpu_s = min(e.tp * e.prefill.b_s_per_token for e in engines)
-    costs = profile.costs
-    first_engine_s = min(costs.engine_cold_start_s, costs.trainer_offload_s + costs.wake_s)
-    step_s = scenario.training.train_step_s
-    train_s = step_s if step_s is not None else costs.train_step_s
-    B, k = scenario.rollout.batch_trajectories, scenario.rollout.staleness_versions
-
-    def own_s(spec: TrajectorySpec) -> float:
-        new = [spec.prompt_tokens, *spec.new_tokens[1:]]
-        prefill = sum(
-            min(e.prefill.a_s + e.prefill.b_s_per_token * n for e in engines) for n in new
-        )
-        return prefill + sum(spec.output_tokens) * decode_token_s + sum(spec.tool_latency_s)
-
-    batch_start: list[float] = []
-    batch_end: list[float] = []
-    finish_bounds: list[float] = []
-    specs: list[TrajectorySpec] = []
-    for j, s in enumerate(stream):
-        b = j // B
-        if b == len(batch_start):
-            start = first_engine_s if b <= k else batch_end[b - k - 1] + train_s
-            if start > T:
-                break
-            batch_start.append(start)
-            batch_end.append(start)
-        specs.append(s)
-        done = batch_start[b] + own_s(s)
-        batch_end[b] = max(batch_end[b], done)
-        finish_bounds.append(done)
-    by_path = int(sum(1 for f in finish_bounds if f <= T))
-    gpu_s = scenario.base_gpus * T + sum(
-        w.num_gpus * (min(w.end_s, T) - max(w.start_s, 0.0)) for w in windows if w.start_s < T
-    )
-    work = np.sort(
-        [
-            prefill_gpu_s * (s.prompt_tokens + sum(s.new_tokens))
-            + decode_gpu_s * sum(s.output_tokens)
-            for s in specs
-        ]
-    )
-    by_capacity = int(np.searchsorted(np.cumsum(work), gpu_s, side="right"))
-    return min(by_path, by_capacity), by_path, by_capacity, gpu_s
