@@ -1,7 +1,8 @@
 """Write docs/results.md: every shipped scenario with every policy, 3 seeds, and the
 predictor's error on the same runs' decisions.
 
-    .venv/bin/python benchmarks/results.py            # about 15 minutes on one core
+    .venv/bin/python benchmarks/results.py                # about 20 minutes on one core
+    .venv/bin/python benchmarks/results.py --notes-only   # the commentary alone
 
 For each scenario it runs ``pearl simulate SCENARIO --json`` (timing it: the issue's
 budget is 3 minutes per scenario on one core) and ``pearl bench predictor SCENARIO``, then
@@ -167,7 +168,23 @@ def in_order_section(name: str, first_completed: dict[str, float]) -> list[str]:
     return lines
 
 
+def notes_only() -> int:
+    """Put the current ``results_notes.md`` into docs/results.md, keeping its figures."""
+    doc = ROOT / "docs" / "results.md"
+    text = doc.read_text(encoding="utf-8")
+    notes = NOTES.read_text(encoding="utf-8").strip()
+    heading = notes.splitlines()[0]
+    if heading not in text:
+        print(f"{doc}: no {heading!r} section to replace", file=sys.stderr)
+        return 2
+    doc.write_text(text[: text.index(heading)] + notes + "\n", encoding="utf-8")
+    print("rewrote the notes of docs/results.md", file=sys.stderr)
+    return 0
+
+
 def main() -> int:
+    if sys.argv[1:] == ["--notes-only"]:
+        return notes_only()
     sections: list[str] = []
     for name in SCENARIOS:
         print(f"running {name} ...", file=sys.stderr)
