@@ -231,6 +231,11 @@ class RolloutLedger:
     def batch_ready(self) -> bool:
         return self.groups_needed() == 0
 
+    def in_order_batch_complete(self, batch_id: int) -> bool:
+        """In-order: every group of batch ``batch_id`` is complete (taken or not)."""
+        done = self._complete_in_batch.get(batch_id, 0)
+        return done == self.rules.groups_per_batch
+
     def next_batch_groups(self) -> list[int]:
         """The groups the next batch takes, or would take if complete. In-order: its own.
         First-completed: complete groups; when more are complete than a batch takes, the

@@ -80,7 +80,6 @@ class BatchRecord:
     started_s: float | None = None
     completed_s: float | None = None
     predicted_s: float | None = None
-    finished: int = 0  # in-order: its trajectories finished
 
 
 @dataclass
@@ -207,10 +206,10 @@ class Rollout:
         self.sumsq_turns += traj.spec.num_turns**2
         if not self.in_order:
             return self.completed(now_s)
-        batch = self.batches[traj.index // self.rules.batch_trajectories]
-        batch.finished += 1  # in-order: nothing is restarted or dropped
-        if batch.finished < self.rules.batch_trajectories:
+        batch_id = traj.index // self.rules.batch_trajectories
+        if not self.ledger.in_order_batch_complete(batch_id):
             return None
+        batch = self.batches[batch_id]
         batch.completed_s = now_s
         return batch
 

@@ -227,6 +227,7 @@ def test_in_order_waits_for_its_own_trajectories() -> None:
     for i in range(4, 8):
         _finish(led, f"t{i}", 1.0)  # the second batch's: not the next one
     assert led.groups_needed() == 4 and not led.batch_ready()
+    assert led.in_order_batch_complete(1) and not led.in_order_batch_complete(0)
     for i in range(4):
         _finish(led, f"t{i}", 2.0)
     assert led.take_batch(2.0).traj_ids == ("t0", "t1", "t2", "t3")
