@@ -195,6 +195,10 @@ class Batches:
         return {"batch_completed": self._on_batch}
 
     def _on_batch(self, r: BatchCompleted) -> None:
+        # A first-completed batch an update took a group back from completes again: its
+        # last record counts (records come in time order).
+        if self.done and self.done[-1][0] == r.batch_id:
+            self.done.pop()
         self.done.append((r.batch_id, r.started_t, r.t, r.predicted_s))
 
     def pairs(self) -> list[tuple[float, float]]:

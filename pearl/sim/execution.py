@@ -29,7 +29,7 @@ from pearl.core.plan import PlanStep, TransitionPlan
 from pearl.core.state import ClusterState
 from pearl.runlog.schema import PlanStepDone, Record
 from pearl.serving.requests import PartialOutput
-from pearl.sim.fleet import Fleet
+from pearl.sim.fleet import Fleet, Instance
 from pearl.sim.timeline import Follow, Kick, PlanStepEnds, PlanStepStarts, Unpark
 
 
@@ -55,6 +55,11 @@ class PlanHost(Protocol):
 
     def trainer_gpus_changed(self, now_s: float, delta: int) -> Follow:
         """The trainer gives up (``delta`` < 0) or has back GPUs."""
+        ...
+
+    def load_weights(self, inst: Instance) -> None:
+        """The instance takes the trainer's current weights (the tokens it generated so
+        far stay its old weights')."""
         ...
 
     def log(self, record: Record) -> None: ...
@@ -92,7 +97,7 @@ class PlanExecution:
             if inst is None:
                 return []
             inst.paused_until_s = self.start_s + step.end_s
-            inst.weights_version = host.version
+            host.load_weights(inst)
             return [(inst.paused_until_s, Kick(inst))]
         if effect is StepEffect.TRAINER_OFF:
             return host.trainer_gpus_changed(now_s, -len(step.gpu_ids))

@@ -241,6 +241,9 @@ class Rollout:
         to their prompt with a fresh sample, dropped ones leave; with the outcome, the live
         requests of both, which the world must abort."""
         outcome = self.ledger.updated(now_s, version)
+        open_batch = self.batches.get(self.ledger.totals.batches)
+        if open_batch is not None and not self.ledger.batch_ready():
+            open_batch.completed_s = None  # it lost a group: complete again later
         stale = []
         for traj_id in (*outcome.dropped, *outcome.restarted):
             traj = self.in_flight.get(traj_id)

@@ -468,8 +468,7 @@ class Simulation:
             sync_s = self.profile.costs.weight_sync_s
             pause_s = now_s + sync_s
             for inst in self.fleet.instances.values():
-                self._attribute_on_engine(inst)
-                inst.weights_version = self.version
+                self.load_weights(inst)
                 inst.paused_until_s = max(pause_s, (inst.busy_until_s or now_s) + sync_s)
                 out.append((inst.paused_until_s, Kick(inst)))
         out += self._past_bound(now_s)
@@ -478,9 +477,10 @@ class Simulation:
         out.append((now_s, Decide("trainer waiting")))
         return out
 
-    def _attribute_on_engine(self, inst: Instance) -> None:
-        """The tokens its live requests generated so far are its current weights': those on
-        its engine and those its step in flight finishes."""
+    def load_weights(self, inst: Instance) -> None:
+        """The instance takes the trainer's weights. The tokens its live requests generated
+        so far are its old weights': those on its engine and those its step in flight
+        finishes (``pearl.sim.execution.PlanHost``)."""
         done = inst.result.finished if inst.result is not None else ()
         on_engine = inst.engine.generated_by_request()
         for request, num_tokens in [
@@ -490,6 +490,7 @@ class Simulation:
             traj = self._live(request)
             if traj is not None and num_tokens:
                 self.rollout.attribute_on_engine(traj, num_tokens, inst.weights_version)
+        inst.weights_version = self.version
 
     def _past_bound(self, now_s: float) -> Follow:
         """The update's past-bound rule: abort what it restarts or drops, resend restarts."""

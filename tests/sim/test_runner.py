@@ -340,3 +340,29 @@ def test_a_request_bound_for_an_instance_that_switched_goes_elsewhere() -> None:
     new = fleet.add("e0", Role.PREFILL, "h20", "n0", 1, 0)
     assert not fleet.accepts(old)
     assert fleet.accepts(new)
+
+
+@pytest.mark.parametrize(
+    ("past_bound", "group_size"), [("interrupt", 2), ("restart", 1), ("drop", 1)]
+)
+def test_the_trainer_goes_on_after_an_update_takes_a_complete_batch_back(
+    past_bound: str, group_size: int
+) -> None:
+    # A small batch whose groups are complete while an update runs: the update's
+    # past-bound rule takes members back, the batch is incomplete again and completes
+    # later; the trainer must start when it does (it once waited for the run's end).
+    sc = F.scenario(
+        batch=16,
+        staleness=1,
+        batching="first-completed",
+        past_bound=past_bound,
+        group_size=group_size,
+        duration_s=600.0,
+        train_step_s=10.0,
+    )
+    r = F.run(F.inputs(sc, model=F.busy_model(), seed=0), "roll-fixed")
+    ledger, sim = r.sim.rollout.ledger, r.sim
+    assert r.metrics.rollout.restarted + r.metrics.rollout.dropped > 0
+    assert not (ledger.batch_ready() and not sim.training)  # never ready and idle at the end
+    steps = F.of_type(r.records, "train_step")
+    assert len(steps) > 20 and steps[-1].t > 550.0
