@@ -214,17 +214,9 @@ class RolloutSection(Frozen):
     )
 
     @model_validator(mode="after")
-    def _one_source(self) -> RolloutSection:
+    def _one_source_and_rules(self) -> RolloutSection:
         _at_most_one(self, "workload_file", "traces_dir")
-        if self.batch_trajectories % self.group_size:
-            raise ValueError(
-                f"batch_trajectories: {self.batch_trajectories} is not a multiple of "
-                f"group_size {self.group_size}"
-            )
-        if self.max_in_flight is not None and self.max_in_flight < self.group_size:
-            raise ValueError(
-                f"max_in_flight: {self.max_in_flight} is below group_size {self.group_size}"
-            )
+        self.rules()  # RolloutRules checks the groups against the batch and the cap
         return self
 
     def rules(self) -> RolloutRules:
