@@ -18,6 +18,11 @@ EXTRA_OF_MODULE = {
     "submitit": "slurm",
     "mpi4py": "slurm",
     "matplotlib": "analysis",
+    "torch": "engine",
+    "fastapi": "engine",
+    "uvicorn": "engine",
+    "safetensors": "engine",
+    "tokenizers": "engine",
 }
 
 
