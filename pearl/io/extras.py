@@ -18,6 +18,13 @@ EXTRA_OF_MODULE = {
     "submitit": "slurm",
     "mpi4py": "slurm",
     "matplotlib": "analysis",
+    "torch": "engine",
+    "safetensors": "engine",
+    "tokenizers": "engine",
+    "jinja2": "engine",
+    "fastapi": "engine",
+    "uvicorn": "engine",
+    "prometheus_client": "engine",
 }
 
 
