@@ -1,0 +1,1 @@
+"""Inference engines pearl ships (the CPU reference engine)."""
