@@ -13,6 +13,9 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.parser
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -183,9 +186,27 @@ def _strftime_now(format: str) -> str:
     return datetime.now().strftime(format)
 
 
+class _GenerationBlocks(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}``, which some templates wrap around the
+    assistant's text (transformers uses it for assistant masks): rendered as its body."""
+
+    tags = {"generation"}  # noqa: RUF012 (jinja2.ext.Extension declares it a set)
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        call = self.call_method("_body")
+        return jinja2.nodes.CallBlock(call, [], [], body).set_lineno(lineno)
+
+    def _body(self, caller: Any) -> str:
+        return str(caller())
+
+
 def _compile(template: str, source: str) -> jinja2.Template:
     env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=["jinja2.ext.loopcontrols", _GenerationBlocks],
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
