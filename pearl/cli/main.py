@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from pearl.cli import agent, analyze, bench, coordinator, plan, simulate
+from pearl.cli import agent, analyze, bench, coordinator, model, plan, simulate
 from pearl.cli.errors import run_command
 
 
@@ -23,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     coordinator.add_parser(sub)
     agent.add_parser(sub)
     analyze.add_parser(sub)
+    model.add_parser(sub)
     return parser
 
 
