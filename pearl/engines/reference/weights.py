@@ -46,6 +46,7 @@ def write_weights(model_dir: str | Path, tensors: dict[str, torch.Tensor]) -> Pa
     os.close(fd)
     try:
         save_file(_contiguous(tensors), tmp, metadata={"format": "pt"})
+        os.chmod(tmp, 0o644)  # mkstemp's file is private; a model is read by other processes
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
