@@ -42,13 +42,19 @@ COORDINATOR = {  # a valid configuration on the local backend (which needs submi
 
 
 def _names(requirements: list[str]) -> set[str]:
-    return {re.split(r"[<>=!~ \[]", r, maxsplit=1)[0].lower() for r in requirements}
+    """Distribution names, normalised as pip does (``prometheus_client`` is
+    ``prometheus-client``)."""
+    return {_normal(re.split(r"[<>=!~ \[]", r, maxsplit=1)[0]) for r in requirements}
+
+
+def _normal(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def test_every_extra_module_is_in_its_extra() -> None:
     extras = PROJECT["optional-dependencies"]
     for module, extra in EXTRA_OF_MODULE.items():
-        assert module in _names(extras[extra]), f"{module} is not in pearl[{extra}]"
+        assert _normal(module) in _names(extras[extra]), f"{module} is not in pearl[{extra}]"
 
 
 def test_the_command_line_imports_no_extra() -> None:

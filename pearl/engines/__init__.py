@@ -1,1 +1,1 @@
-"""pearl's inference engines: vLLM's HTTP protocol, one client, the CPU reference engine, the vLLM backend."""
+"""Inference engines pearl ships (the CPU reference engine)."""

@@ -19,10 +19,12 @@ EXTRA_OF_MODULE = {
     "mpi4py": "slurm",
     "matplotlib": "analysis",
     "torch": "engine",
-    "fastapi": "engine",
-    "uvicorn": "engine",
     "safetensors": "engine",
     "tokenizers": "engine",
+    "jinja2": "engine",
+    "fastapi": "engine",
+    "uvicorn": "engine",
+    "prometheus_client": "engine",
 }
 
 

@@ -98,6 +98,7 @@ def test_an_installed_wheel_carries_the_data(tmp_path: Path) -> None:
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {f"pearl/data/{name}" for name in SHIPPED} <= names
     assert "pearl/profiles/qwen3-8b.yaml" in names
+    assert "pearl/data/tokenizer_corpus.txt" in names  # pearl model init trains on it
 
 
 # --- equal to what the raw traces give (skipped without them) ----------------------------

@@ -1,1 +1,1 @@
-"""The CPU reference engine: a small real model served over vLLM's HTTP protocol."""
+"""The CPU reference inference engine: a Hugging Face model served over vLLM's HTTP protocol."""

@@ -20,7 +20,8 @@ from pearl.engines.reference.engine import EngineConfig, EngineCore
 from pearl.engines.reference.metrics import EngineMetrics
 from pearl.engines.reference.model import DTYPES, CausalLM, WeightError
 from pearl.engines.reference.sequence import SamplingParams
-from pearl.engines.reference.tokenizer import Tokenizer, load_tokenizer
+from pearl.engines.reference.tokenizer import Tokenizer
+from pearl.engines.reference.tokenizer import load as load_tokenizer
 from pearl.engines.reference.weights import read_weights
 from pearl.engines.reference.weights_push import WeightPush
 
