@@ -12,7 +12,7 @@ def children(pid: int, marker: bytes) -> list[int]:
 
     A whole argument, not a substring of the command line: a child forked but not yet
     exec'd still shows its parent's command line, whose arguments may quote the command
-    it is about to run (an agent's ``--engine "*=python -m pearl.control.fakes ..."``)."""
+    it is about to run (an agent's ``--engine "*=python -m pearl.engines.fake ..."``)."""
     out = []
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():

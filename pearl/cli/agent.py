@@ -38,7 +38,7 @@ def add_options(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="ROLE=CMD",
-        help="engine argv per role ('*' for any); {port} {role} {worker_id}",
+        help="engine argv per role ('*' for any); {port} {kv_port} {role} {worker_id}",
     )
     p.add_argument(
         "--null-workers",

@@ -1,17 +1,21 @@
 """The worker processes of one node's GPUs, as the agent manages them.
 
 :class:`ProcessWorkers` launches the engine command configured for a role (an argv
-template; ``{port}``, ``{role}``, ``{worker_id}`` are filled in) with
-``CUDA_VISIBLE_DEVICES`` set to the local indices of the worker's GPUs, waits for
-``GET /health``, and drives it over vLLM's HTTP endpoints: ``POST /sleep``,
-``POST /wake_up``, ``GET /metrics`` (``vllm:num_requests_running`` for drains), and
-``POST /collective_rpc`` with ``{"method": "reload_weights"}`` for ``sync_weights`` (vLLM's
-dev-mode route, ``VLLM_SERVER_DEV_MODE=1``: the engine reloads the weights the trainer
-exported to its model path). A trainer worker answers the same routes: ``offload`` is
-``/sleep`` (state to host memory, GPUs free), ``onload`` is ``/wake_up``. Stop is SIGTERM to
-the process group, then SIGKILL; an engine also gets SIGTERM when its agent dies
-(``PR_SET_PDEATHSIG``, armed by ``pearl.control.pdeath``), so none outlives the agent
-that manages its GPUs.
+template; ``{port}`` (its HTTP port), ``{kv_port}`` (a second free port, for the
+engine's KV side channel: NIXL's handshake), ``{role}`` and ``{worker_id}`` are filled in by
+``str.format``, so literal braces are doubled) with ``CUDA_VISIBLE_DEVICES`` set to the
+local indices of the worker's GPUs, waits for ``GET /health``, and drives it over vLLM's
+HTTP routes through the one engine client (:mod:`pearl.engines.client`; one
+``asyncio.run`` per operation, as the agent's command threads are synchronous):
+``POST /sleep``, ``POST /wake_up``, ``GET /metrics`` (``vllm:num_requests_running`` for
+drains), and ``POST /collective_rpc`` with ``{"method": "reload_weights"}`` for
+``sync_weights`` (vLLM's dev-mode route, ``VLLM_SERVER_DEV_MODE=1``: the engine reloads the
+weights the trainer exported to its model path). An engine's error answer, or none, is a
+``WorkerError`` naming the worker and the route. A trainer worker answers the same
+routes: ``offload`` is ``/sleep`` (state to host memory, GPUs free), ``onload`` is
+``/wake_up``. Stop is SIGTERM to the process group, then SIGKILL; an engine also gets
+SIGTERM when its agent dies (``PR_SET_PDEATHSIG``, armed by ``pearl.control.pdeath``), so
+none outlives the agent that manages its GPUs.
 :class:`NullWorkers` only records roles and phases; the control-plane benchmark and
 protocol tests use it.
 
@@ -33,16 +37,15 @@ has no such edge.
 
 from __future__ import annotations
 
+import asyncio
 import os
-import re
 import signal
 import socket
 import subprocess
 import time
-import urllib.error
-import urllib.request
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from pearl.control import pdeath
 from pearl.control.messages import Command, ControlAction
@@ -56,8 +59,9 @@ from pearl.core.roles import (
     check_role,
     check_role_change,
 )
+from pearl.engines.client import EngineClient, EngineError, call
 
-RELOAD_WEIGHTS = b'{"method": "reload_weights"}'
+T = TypeVar("T")
 
 
 class WorkerError(RuntimeError):
@@ -163,11 +167,20 @@ class NullWorkers:
         return tuple(self.workers)
 
 
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct ports free on this host now (held open together while chosen)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+    return free_ports(1)[0]
 
 
 @dataclass
@@ -176,6 +189,7 @@ class _Proc:
     port: int
     state: WorkerState
     log: object = None
+    kv_port: int = 0
 
 
 @dataclass
@@ -189,40 +203,40 @@ class ProcessWorkers:
     def url(self, worker_id: str, path: str) -> str:
         return f"http://{self.host}:{self.procs[worker_id].port}{path}"
 
+    def base_url(self, worker_id: str) -> str:
+        return self.url(worker_id, "")
+
     def worker_ids(self) -> tuple[str, ...]:
         return tuple(self.procs)
 
-    def _http(
-        self, worker_id: str, path: str, method: str, timeout: float, body: bytes | None = None
-    ) -> str:
-        headers = {"Content-Type": "application/json"} if body is not None else {}
-        req = urllib.request.Request(
-            self.url(worker_id, path), data=body, headers=headers, method=method
-        )
+    def _engine(
+        self,
+        worker_id: str,
+        route: str,
+        op: Callable[[EngineClient], Awaitable[T]],
+        timeout_s: float,
+    ) -> T:
+        """``op`` on the worker's engine; an error answer or none is a ``WorkerError``
+        naming the worker and ``route`` (``POST /sleep``)."""
         try:
-            with urllib.request.urlopen(req, timeout=max(0.05, timeout)) as r:
-                reply: bytes = r.read()
-                return reply.decode()
-        except (urllib.error.URLError, OSError) as e:
-            raise WorkerError(f"{worker_id}: {method} {path}: {e}") from None
+            return call(op, self.base_url(worker_id), max(0.05, timeout_s))
+        except EngineError as err:
+            raise WorkerError(f"{worker_id}: {route}: {err}") from None
 
     def healthy(self, worker_id: str, timeout: float = 1.0) -> bool:
-        try:
-            self._http(worker_id, "/health", "GET", timeout)
-            return True
-        except WorkerError:
-            return False
+        return call(lambda c: c.health(), self.base_url(worker_id), max(0.05, timeout))
 
     def execute(self, cmd: Command) -> None:
         end = time.monotonic() + cmd.deadline_s
         if cmd.action is Action.START:
             self._start(cmd, end)
             return
-        p = self.procs.get(cmd.worker_id)
+        wid = cmd.worker_id
+        p = self.procs.get(wid)
         if p is None:
-            raise WorkerError(f"no worker {cmd.worker_id} on this node")
+            raise WorkerError(f"no worker {wid} on this node")
         if p.proc.poll() is not None:
-            raise WorkerError(f"{cmd.worker_id} exited with {p.proc.returncode}")
+            raise WorkerError(f"{wid} exited with {p.proc.returncode}")
         new = after(p.state, cmd)  # checked before the worker is touched
 
         def left() -> float:
@@ -230,15 +244,15 @@ class ProcessWorkers:
 
         a = cmd.action
         if a in _SLEEPS:
-            self._http(cmd.worker_id, "/sleep?level=1", "POST", left())
+            self._engine(wid, "POST /sleep", lambda c: c.sleep(1), left())
         elif a in (Action.WAKE, Action.ONLOAD) or (a is Action.SWITCH and p.state.asleep):
-            self._http(cmd.worker_id, "/wake_up", "POST", left())
+            self._engine(wid, "POST /wake_up", lambda c: c.wake_up(), left())
         elif a is Action.SYNC_WEIGHTS:
-            self._http(cmd.worker_id, "/collective_rpc", "POST", left(), RELOAD_WEIGHTS)
+            self._engine(wid, "POST /collective_rpc", lambda c: c.reload_weights(), left())
         elif a is Action.DRAIN:
-            self._drain(cmd.worker_id, end)
+            self._drain(wid, end)
         elif a is Action.STOP:
-            self._stop(cmd.worker_id, left())
+            self._stop(wid, left())
             return
         p.state = new
 
@@ -255,8 +269,9 @@ class ProcessWorkers:
             idx = [str(self.gpu_index[g]) for g in cmd.gpu_ids]
         except KeyError as e:
             raise WorkerError(f"GPU {e.args[0]} is not on this node") from None
-        port = free_port()
-        args = [a.format(port=port, role=role.value, worker_id=wid) for a in argv]
+        port, kv_port = free_ports(2)
+        fill = {"port": port, "kv_port": kv_port, "role": role.value, "worker_id": wid}
+        args = [a.format(**fill) for a in argv]
         args = pdeath.command(args)  # the engine dies with the agent
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(idx)}
         out = (
@@ -271,31 +286,51 @@ class ProcessWorkers:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        p = self.procs[wid] = _Proc(proc, port, state, out)
-        while time.monotonic() < end:
-            if self.procs.get(wid) is not p:  # a stop came meanwhile (start cancelled)
-                raise WorkerError(f"{wid} stopped while starting")
-            if proc.poll() is not None:
-                self.procs.pop(wid, None)
-                p.state = moved(p.state, Phase.GONE)
-                raise WorkerError(f"{wid} exited with {proc.returncode} on start")
-            if self.healthy(wid, timeout=0.5):
-                p.state = moved(p.state, Phase.READY)
-                return
-            time.sleep(0.05)
+        p = self.procs[wid] = _Proc(proc, port, state, out, kv_port)
+        try:
+            healthy = call(lambda c: self._until_healthy(c, wid, p, end), self.base_url(wid))
+        except WorkerError:
+            raise
+        except BaseException:
+            if self.procs.get(wid) is p:
+                self._stop(wid, 2.0)
+            raise
+        if healthy:
+            p.state = moved(p.state, Phase.READY)
+            return
         if self.procs.get(wid) is p:
             self._stop(wid, 2.0)
         raise WorkerError(f"{wid} not healthy within {cmd.deadline_s} s")
 
+    async def _until_healthy(self, client: EngineClient, wid: str, p: _Proc, end: float) -> bool:
+        """Polls ``/health`` until it answers (True) or ``end`` passes (False); a
+        ``WorkerError`` if the process exits or is stopped meanwhile."""
+        while time.monotonic() < end:
+            if self.procs.get(wid) is not p:  # a stop came meanwhile (start cancelled)
+                raise WorkerError(f"{wid} stopped while starting")
+            if p.proc.poll() is not None:
+                self.procs.pop(wid, None)
+                p.state = moved(p.state, Phase.GONE)
+                raise WorkerError(f"{wid} exited with {p.proc.returncode} on start")
+            client.timeout_s = max(0.05, min(0.5, end - time.monotonic()))
+            if await client.health():
+                return True
+            await asyncio.sleep(0.05)
+        return False
+
     def _drain(self, worker_id: str, end: float) -> None:
-        while True:
-            text = self._http(worker_id, "/metrics", "GET", end - time.monotonic())
-            m = re.search(r"^vllm:num_requests_running(?:\{[^}]*\})?\s+(\S+)", text, re.M)
-            if m is None or float(m.group(1)) == 0:
-                return
-            if time.monotonic() > end:
-                raise WorkerError(f"{worker_id} still has {m.group(1)} requests running")
-            time.sleep(0.05)
+        """Waits until ``vllm:num_requests_running`` is 0 (or absent), polling ``/metrics``."""
+
+        async def until_idle(client: EngineClient) -> float:
+            while True:
+                running = await client.num_requests_running()
+                if running == 0 or time.monotonic() > end:
+                    return running
+                await asyncio.sleep(0.05)
+
+        running = self._engine(worker_id, "GET /metrics", until_idle, end - time.monotonic())
+        if running:
+            raise WorkerError(f"{worker_id} still has {running:g} requests running")
 
     def _stop(self, worker_id: str, budget_s: float) -> None:
         p = self.procs[worker_id]

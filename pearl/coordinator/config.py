@@ -1,9 +1,11 @@
 """The coordinator's configuration document (YAML or JSON), validated with one-line errors.
 
 It names the run, where its files live, the runtime profile, the allocation backend and
-what the cluster offers, the base job's nodes, and pearl's policy. Paths are relative to
-the configuration file. Unknown fields are rejected; every problem is ``FILE: FIELD:
-PROBLEM`` (``pearl.io.documents.InputError``), exit status 2 on the command line.
+what the cluster offers, the base job's nodes, pearl's policy, and the node agents with the
+engine they start (``agents.engines`` as commands, or ``agents.engine``: a backend and a
+model, :mod:`pearl.engines.backend`). Paths are relative to the configuration file.
+Unknown fields are rejected; every problem is ``FILE: FIELD: PROBLEM``
+(``pearl.io.documents.InputError``), exit status 2 on the command line.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pearl.core.state import (
     ClusterState,
     Frozen,
 )
+from pearl.engines.backend import EngineSection, engine_commands
 from pearl.io.documents import load_profile, parse, read_document
 
 RunId = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", max_length=64)]
@@ -39,13 +42,33 @@ class BaseJob(Frozen):
 
 class AgentSection(Frozen):
     engines: tuple[str, ...] = Field(
-        (), description="Engine command per role, ROLE=CMD ({port}, {role}, {worker_id})."
+        (),
+        description="Engine command per role, ROLE=CMD ({port}, {kv_port}, {role}, "
+        "{worker_id}; literal braces doubled). Exclusive with engine.",
+    )
+    engine: EngineSection | None = Field(
+        None,
+        description="The engine every worker starts (backend reference or vllm, the model "
+        "directory, ...), rendered into the agents' commands. Exclusive with engines.",
     )
     null_workers: bool = Field(False, description="Record commands without engines.")
     grace_s: PosFloat = Field(30.0, description="Time an agent has to drain on preemption.")
     join_timeout_s: PosFloat = Field(
         300.0, description="A granted allocation whose agents have not joined by then is released."
     )
+
+    @model_validator(mode="after")
+    def _one_way_to_name_engines(self) -> AgentSection:
+        if self.engines and self.engine is not None:
+            raise ValueError("engines and engine are exclusive: give the commands or the engine")
+        return self
+
+    def engine_commands(self, python: str) -> tuple[str, ...]:
+        """The agents' ``--engine ROLE=CMD`` values: ``engines`` as given, or ``engine``
+        rendered (:func:`pearl.engines.backend.engine_commands`, run by ``python``)."""
+        if self.engine is None:
+            return self.engines
+        return tuple(f"{r}={c}" for r, c in engine_commands(self.engine, python).items())
 
 
 class CoordinatorConfig(Frozen):
@@ -85,7 +108,16 @@ def load_config(path: str | Path) -> tuple[CoordinatorConfig, Path]:
     p = Path(path)
     config = parse(CoordinatorConfig, read_document(p), p)
     load_profile(config.profile, relative_to=p.parent, named_in=p)  # fail early if missing
-    return config, (p.parent / config.run_dir).resolve()
+    return _engine_model_resolved(config, p.parent), (p.parent / config.run_dir).resolve()
+
+
+def _engine_model_resolved(config: CoordinatorConfig, folder: Path) -> CoordinatorConfig:
+    """``config`` with ``agents.engine.model`` made absolute (relative to ``folder``)."""
+    a = config.agents
+    if a is None or a.engine is None or Path(a.engine.model).is_absolute():
+        return config
+    engine = a.engine.model_copy(update={"model": str((folder / a.engine.model).resolve())})
+    return config.model_copy(update={"agents": a.model_copy(update={"engine": engine})})
 
 
 def initial_state(config: CoordinatorConfig) -> ClusterState:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 from types import FrameType
@@ -53,7 +54,8 @@ def make_backend(config: CoordinatorConfig, run_dir: Path) -> AllocationBackend:
     payload = None
     if a is not None:
         gpu_type = config.policy.elastic.gpu_type
-        payload = AgentPayload(str(run_dir), gpu_type, a.engines, a.null_workers, a.grace_s)
+        engines = a.engine_commands(sys.executable)  # agents run pearl's interpreter too
+        payload = AgentPayload(str(run_dir), gpu_type, engines, a.null_workers, a.grace_s)
     if config.backend == "local":
         return LocalBackend(run_dir / "jobs", payload=payload)
     return SlurmBackend(

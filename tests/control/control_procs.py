@@ -81,7 +81,7 @@ def start_agent(
 
 
 def fake_engine_args() -> list[str]:
-    return ["--engine", f"*={sys.executable} -m pearl.control.fakes --port {{port}}"]
+    return ["--engine", f"*={sys.executable} -m pearl.engines.fake --port {{port}}"]
 
 
 def stop_all(procs: list[subprocess.Popen[str]]) -> None:

@@ -219,7 +219,7 @@ def test_sigkill_mid_plan(coord: Coordinator, tmp_path: Path) -> None:
 
 
 def _fake_children(pid: int) -> list[int]:
-    return children(pid, b"pearl.control.fakes")
+    return children(pid, b"pearl.engines.fake")
 
 
 def test_sigusr2_preemption(coord: Coordinator, tmp_path: Path) -> None:

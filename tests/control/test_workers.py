@@ -1,11 +1,11 @@
 """The agent's worker management against real processes over real HTTP: the documented
-fake engine (``pearl.control.fakes``) started by :class:`ProcessWorkers`; the bookkeeping
+fake engine (``pearl.engines.fake``) started by :class:`ProcessWorkers` and driven
+through the engine client; the bookkeeping
 of :class:`NullWorkers`; both checked against the core's transition table."""
 
 from __future__ import annotations
 
 import itertools
-import re
 import subprocess
 import sys
 import time
@@ -21,8 +21,9 @@ from pearl.control.messages import Command, ControlAction
 from pearl.control.workers import NullWorkers, ProcessWorkers, WorkerError, WorkerState, moved
 from pearl.core.plan import Action
 from pearl.core.roles import PHASE_EDGES, Phase, Role, TransitionError, WorkerKind
+from pearl.engines.client import call
 
-FAKE = [sys.executable, "-m", "pearl.control.fakes", "--port", "{port}"]
+FAKE = [sys.executable, "-m", "pearl.engines.fake", "--port", "{port}"]
 A, R = Action, Role
 
 
@@ -41,10 +42,10 @@ def _cmd(
 
 
 def _metric(workers: ProcessWorkers, worker: str, name: str) -> str:
-    text = workers._http(worker, "/metrics", "GET", 2.0)
-    m = re.search(rf"^{name}(?:\{{[^}}]*\}})?\s+(\S+)$", text, re.M)
-    assert m is not None, text
-    return m.group(1)
+    """A sample of the worker's ``/metrics`` as the fake writes it (an integer)."""
+    values = call(lambda c: c.metrics(), workers.base_url(worker), 2.0)
+    assert name in values, values
+    return f"{values[name]:g}"
 
 
 @pytest.fixture
@@ -58,7 +59,7 @@ def test_an_engine_runs_on_its_gpus_and_obeys_every_action(workers: ProcessWorke
     workers.execute(_cmd(A.START, role=R.DECODE, gpu_ids=("n0/2", "n0/1")))
     assert workers.worker_ids() == ("w0",)
     assert workers.procs["w0"].state == WorkerState(WorkerKind.ENGINE, R.DECODE, Phase.READY)
-    info = workers._http("w0", "/metrics", "GET", 2.0)
+    info = call(lambda c: c.metrics_text(), workers.base_url("w0"), 2.0)
     assert 'cuda_visible_devices="2,1"' in info  # the local indices of its GPUs, in order
     workers.execute(_cmd(A.SLEEP, role=R.IDLE))
     assert _metric(workers, "w0", "pearl_fake_sleeping") == "1"
@@ -107,6 +108,42 @@ def test_failures_are_worker_errors(workers: ProcessWorkers) -> None:
     dead = ProcessWorkers({"*": [sys.executable, "-c", "raise SystemExit(4)"]}, {"n0/0": 0})
     with pytest.raises(WorkerError, match="exited with 4 on start"):
         dead.execute(_cmd(A.START, role=R.DECODE, gpu_ids=("n0/0",)))
+
+
+def test_an_engine_error_is_a_worker_error_with_the_engines_message() -> None:
+    failing = ProcessWorkers({"*": [*FAKE, "--fail-reload"]}, {"n0/0": 0})
+    try:
+        failing.execute(_cmd(A.START, role=R.DECODE, gpu_ids=("n0/0",)))
+        with pytest.raises(WorkerError) as err:
+            failing.execute(_cmd(A.SYNC_WEIGHTS))
+        assert str(err.value) == (
+            "w0: POST /collective_rpc: HTTP 500: reload_weights failed (--fail-reload)"
+        )
+        assert failing.procs["w0"].state.weight_syncs == 0  # a failed command changes nothing
+    finally:
+        failing.stop_all(5.0)
+
+
+def test_the_kv_port_is_a_second_free_port(tmp_path: Path) -> None:
+    """``{kv_port}`` is filled with a port other than ``{port}``, both free."""
+    out = tmp_path / "ports"
+    script = tmp_path / "engine.py"
+    script.write_text(
+        "import sys, runpy\n"
+        f"open({str(out)!r}, 'w').write(' '.join(sys.argv[1:4]))\n"
+        "sys.argv = ['fake', '--port', sys.argv[1]]\n"
+        "runpy.run_module('pearl.engines.fake', run_name='__main__')\n"
+    )
+    w = ProcessWorkers(
+        {"*": [sys.executable, str(script), "{port}", "{kv_port}", "{worker_id}"]}, {"n0/0": 0}
+    )
+    try:
+        w.execute(_cmd(A.START, role=R.DECODE, gpu_ids=("n0/0",)))
+        port, kv_port, worker = out.read_text().split()
+        assert int(port) == w.procs["w0"].port and int(kv_port) == w.procs["w0"].kv_port
+        assert port != kv_port and worker == "w0"
+    finally:
+        w.stop_all(5.0)
 
 
 def test_illegal_commands_on_an_engine_raise_before_touching_it(workers: ProcessWorkers) -> None:

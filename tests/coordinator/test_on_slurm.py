@@ -207,7 +207,7 @@ def test_an_elastic_grant_brings_its_agent_and_a_preemption_takes_it_away(
 ) -> None:
     config = _config(tmp_path)
     doc = yaml.safe_load(config.read_text())
-    engine = f"{sys.executable} -m pearl.control.fakes --port {{port}}"
+    engine = f"{sys.executable} -m pearl.engines.fake --port {{port}}"
     doc["agents"] = {"engines": [f"*={engine}"], "grace_s": 5}
     config.write_text(yaml.safe_dump(doc), encoding="utf-8")
     run = tmp_path / "run"
@@ -294,7 +294,7 @@ def _plans(journal: Path) -> list[dict[str, object]]:
 def _starting_engines(agent: dict[str, object]) -> list[int]:
     """The agent's fake engines that do not listen yet (``--start-delay-s``)."""
     out = []
-    for pid in children(_pid(agent), b"pearl.control.fakes"):
+    for pid in children(_pid(agent), b"pearl.engines.fake"):
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:  # it exited meanwhile
@@ -317,7 +317,7 @@ def test_an_agent_killed_mid_plan_leaves_the_others_and_the_state_consistent(
     doc = yaml.safe_load(config.read_text())
     doc["policy"]["elastic"]["max_allocations"] = 2
     doc["policy"]["switching"] = {"min_dwell_s": 0}
-    engine = f"{sys.executable} -m pearl.control.fakes --port {{port}} --start-delay-s 4"
+    engine = f"{sys.executable} -m pearl.engines.fake --port {{port}} --start-delay-s 4"
     doc["agents"] = {"engines": [f"*={engine}"], "grace_s": 5}
     config.write_text(yaml.safe_dump(doc), encoding="utf-8")
     run = tmp_path / "run"
@@ -341,8 +341,8 @@ def test_an_agent_killed_mid_plan_leaves_the_others_and_the_state_consistent(
     try:
         wait_for(mid_plan, 90, "two agents and a plan starting an engine", cluster, poll_s=0.1)
         victim, survivor = found
-        doomed = children(_pid(victim), b"pearl.control.fakes")
-        serving = children(_pid(survivor), b"pearl.control.fakes")
+        doomed = children(_pid(victim), b"pearl.engines.fake")
+        serving = children(_pid(survivor), b"pearl.engines.fake")
         failed_before = sum(not p["ok"] for p in _plans(journal))
         os.kill(_pid(victim), signal.SIGKILL)
         survivors = [e for e in doomed if not gone(e, 10)]

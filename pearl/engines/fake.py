@@ -1,13 +1,20 @@
-"""The one fake of the control plane: a tiny HTTP engine for integration tests.
+"""The one fake engine: a tiny HTTP server that answers a few of vLLM's routes, for tests.
 
-Until the real engines exist, the agent's worker management is tested against this
-process: ``python -m pearl.control.fakes --port N``. It answers vLLM's endpoints that the
-agent uses: ``GET /health`` (200), ``POST /sleep`` and ``POST /wake_up`` (toggle sleep),
-``GET /is_sleeping``, ``POST /collective_rpc`` (only ``{"method": "reload_weights"}``,
-counted) and ``GET /metrics`` (Prometheus text with ``vllm:num_requests_running 0``,
-``pearl_fake_sleeping``, ``pearl_fake_weight_reloads`` and the ``CUDA_VISIBLE_DEVICES`` it
-was started with, so tests can check what the agent did). ``--start-delay-s`` delays the
-listening socket, like a model load. SIGTERM stops it cleanly.
+``python -m pearl.engines.fake --port N [--start-delay-s S]``. What it fakes, and nothing
+more: ``GET /health`` (200 once listening), ``POST /sleep`` and ``POST /wake_up`` (a flag,
+whatever the level or tags), ``GET /is_sleeping``, ``POST /collective_rpc`` (only
+``{"method": "reload_weights"}``, counted; any other method answers 400 with an
+``{"error": ...}`` body, and with ``--fail-reload`` every reload answers 500 with vLLM's
+``{"error": {"message": ...}}``) and ``GET /metrics`` (Prometheus text: ``vllm:num_requests_running
+0``, ``pearl_fake_sleeping``, ``pearl_fake_weight_reloads`` and ``pearl_fake_info`` with the
+``CUDA_VISIBLE_DEVICES`` it was started with, so tests can check what the agent did). It
+serves no tokens, holds no weights and no KV cache. ``--start-delay-s`` delays the listening
+socket, like a slow model load; SIGTERM stops it cleanly. It needs only the standard
+library.
+
+It stays only for the tests that need an engine that misbehaves on purpose (a slow start, a
+failing reload) or that must run without torch (the agent's and the Slurm tests); a test
+that needs a real engine uses pearl's CPU reference engine (``pearl engine serve``).
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from typing import Any
 class _State:
     sleeping = False
     weight_reloads = 0
+    fail_reload = False
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -69,6 +77,10 @@ class _Handler(BaseHTTPRequestHandler):
             if method != "reload_weights":
                 self._reply(400, json.dumps({"error": f"unsupported method {method!r}"}))
                 return
+            if _State.fail_reload:
+                error = {"message": "reload_weights failed (--fail-reload)", "code": 500}
+                self._reply(500, json.dumps({"error": error}))
+                return
             _State.weight_reloads += 1
             self._reply(200, json.dumps({"results": [None]}))
         else:
@@ -83,7 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--start-delay-s", type=float, default=0.0)
+    ap.add_argument("--fail-reload", action="store_true", help="answer every reload with 500")
     args = ap.parse_args(argv)
+    _State.fail_reload = args.fail_reload
     time.sleep(args.start_delay_s)
     server = ThreadingHTTPServer((args.host, args.port), _Handler)
 
