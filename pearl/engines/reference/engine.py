@@ -18,6 +18,7 @@ expires.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import ctypes
 import gc
 import sys
@@ -62,10 +63,8 @@ class HeldKV:
 def _trim_heap() -> None:
     """Hand freed memory back to the operating system, so sleep shows in the RSS."""
     gc.collect()
-    try:
+    with contextlib.suppress(OSError, AttributeError):  # not glibc
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
 
 
 class EngineCore:

@@ -102,9 +102,10 @@ class Scheduler:
             if len(self.running) >= self.cfg.max_num_seqs:
                 break
             seq = self.waiting[0]
-            n = self._admit(seq, budget)
-            if n is None:
+            admitted = self._admit(seq, budget)
+            if admitted is None:
                 break
+            n = admitted
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)

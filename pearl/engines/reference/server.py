@@ -44,10 +44,10 @@ from pearl.engines.reference.generation import (
     text_of,
 )
 from pearl.engines.reference.instance import BadRequestError, Instance
-from pearl.io.documents import InputError
 from pearl.engines.reference.sequence import RemoteKV, SamplingParams, Seq
 from pearl.engines.reference.tool_calls import parse_tool_calls
 from pearl.engines.reference.transfer import TransferError, pull
+from pearl.io.documents import InputError
 
 
 def _sse(obj: Any) -> bytes:
@@ -309,7 +309,9 @@ def build_app(inst: Instance) -> FastAPI:
                     "index": 0,
                     "delta": {"content": text[len(sent_text) :]},
                     "logprobs": (
-                        chat_logprobs(inst.tokenizer, g, sent_tokens, body.return_tokens_as_token_ids)
+                        chat_logprobs(
+                            inst.tokenizer, g, sent_tokens, body.return_tokens_as_token_ids
+                        )
                         if body.logprobs
                         else None
                     ),
@@ -350,7 +352,8 @@ def build_app(inst: Instance) -> FastAPI:
         return Response(status_code=200)
 
     @app.post("/wake_up")
-    async def wake_up(tags: list[str] | None = Query(None)) -> Response:
+    async def wake_up(request: Request) -> Response:
+        tags = request.query_params.getlist("tags")
         wanted = set(tags or ("weights", "kv_cache"))
         unknown = wanted - {"weights", "kv_cache"}
         if unknown:
@@ -366,9 +369,7 @@ def build_app(inst: Instance) -> FastAPI:
         return {"is_sleeping": inst.core.asleep}
 
     @app.post("/pause")
-    async def pause(
-        mode: str = Query("abort"), clear_cache: bool = Query(True)
-    ) -> dict[str, Any]:
+    async def pause(mode: str = Query("abort"), clear_cache: bool = Query(True)) -> dict[str, Any]:
         if mode not in ("abort", "wait", "keep"):
             raise BadRequestError(f"mode: {mode!r} is not one of abort, wait, keep", "mode")
         await inst.pause(mode, clear_cache)
@@ -402,7 +403,9 @@ def build_app(inst: Instance) -> FastAPI:
         body = await inst.json_body(request)
         method = body.get("method")
         if method != "reload_weights":
-            raise BadRequestError(f"method: {method!r} is not supported (reload_weights is)", "method")
+            raise BadRequestError(
+                f"method: {method!r} is not supported (reload_weights is)", "method"
+            )
         kwargs = body.get("kwargs") or {}
         if not isinstance(kwargs, dict):
             raise BadRequestError("kwargs: an object is required", "kwargs")

@@ -97,9 +97,7 @@ class WeightPush:
                 raise BadRequestError("no weight update started (POST /start_weight_update)")
             staged, self.staged = self.staged, None
             try:
-                v = await inst.run(
-                    lambda: inst.core.load_weights(staged, version, partial=True)
-                )
+                v = await inst.run(lambda: inst.core.load_weights(staged, version, partial=True))
             except WeightError as err:
                 raise BadRequestError(f"finish_weight_update: {err}") from None
             return {"weight_version": v}
