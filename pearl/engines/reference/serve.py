@@ -13,8 +13,7 @@ from pearl.engines.reference import transfer
 from pearl.engines.reference.instance import Instance, ServeOptions
 from pearl.engines.reference.server import build_app
 
-
-SHUTDOWN_S = 5.0  # what in-flight responses get to finish once a stop is asked
+SHUTDOWN_S = 5  # what in-flight responses get to finish once a stop is asked
 
 
 async def _abort_on_shutdown(inst: Instance, server: uvicorn.Server) -> None:
