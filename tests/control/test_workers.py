@@ -1,7 +1,8 @@
-"""The agent's worker management against real processes over real HTTP: the documented
-fake engine (``pearl.engines.fake``) started by :class:`ProcessWorkers` and driven
-through the engine client; the bookkeeping
-of :class:`NullWorkers`; both checked against the core's transition table."""
+"""The agent's worker management against real processes over real HTTP: pearl's reference
+engine (``pearl engine serve``) and, where a test needs an engine that misbehaves on
+purpose or reports what the agent did to it, the documented fake (``pearl.engines.fake``),
+each started by :class:`ProcessWorkers` and driven through the engine client; the
+bookkeeping of :class:`NullWorkers`; both checked against the core's transition table."""
 
 from __future__ import annotations
 
@@ -46,6 +47,45 @@ def _metric(workers: ProcessWorkers, worker: str, name: str) -> str:
     values = call(lambda c: c.metrics(), workers.base_url(worker), 2.0)
     assert name in values, values
     return f"{values[name]:g}"
+
+
+def test_a_reference_engine_serves_and_obeys_every_action(tiny_model_dir: Path) -> None:
+    """The real engine: sleep and wake show in ``/is_sleeping``, each weight sync reloads
+    the weights (the served version goes up), a drain returns only once the request in
+    flight has finished, and a stop ends the process."""
+    serve = [sys.executable, "-m", "pearl.cli.main", "engine", "serve"]
+    argv = [*serve, "--model", str(tiny_model_dir), "--port", "{port}", "--kv-port", "{kv_port}"]
+    workers = ProcessWorkers({"*": [*argv, "--engine-id", "{worker_id}"]}, {"n0/0": 0})
+    pool = ThreadPoolExecutor(1)
+    try:
+        workers.execute(_cmd(A.START, role=R.DECODE, gpu_ids=("n0/0",), deadline_s=60.0))
+        url = workers.base_url("w0")
+        workers.execute(_cmd(A.SLEEP, role=R.IDLE))
+        assert call(lambda c: c.is_sleeping(), url, 5.0)
+        workers.execute(_cmd(A.WAKE, role=R.DECODE))
+        assert not call(lambda c: c.is_sleeping(), url, 5.0)
+        workers.execute(_cmd(A.SYNC_WEIGHTS))
+        workers.execute(_cmd(A.SYNC_WEIGHTS))
+        assert call(lambda c: c.metrics(), url, 5.0)["pearl:weight_version"] == 2
+        body = {"prompt": "the drain waits for me", "max_tokens": 300, "ignore_eos": True}
+        answer = pool.submit(call, lambda c: c.completions(body), url, 60.0)
+        end = time.monotonic() + 20
+        while call(lambda c: c.num_requests_running(), url, 5.0) == 0:
+            assert time.monotonic() < end and not answer.done()
+            time.sleep(0.02)
+        workers.execute(_cmd(A.DRAIN, deadline_s=60.0))
+        assert answer.done(), "the drain returned while the request was still running"
+        assert answer.result()["choices"][0]["finish_reason"] == "length"
+        workers.execute(_cmd(A.SWITCH, role=R.PREFILL))
+        assert workers.procs["w0"].state == WorkerState(
+            WorkerKind.ENGINE, R.PREFILL, Phase.READY, weight_syncs=2
+        )
+        proc = workers.procs["w0"].proc
+        workers.execute(_cmd(A.STOP))
+        assert proc.poll() is not None and workers.worker_ids() == ()
+    finally:
+        workers.stop_all(5.0)
+        pool.shutdown()
 
 
 @pytest.fixture

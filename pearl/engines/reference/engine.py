@@ -313,6 +313,7 @@ class EngineCore:
         m.running.set(len(s.running))
         m.waiting.set(len(s.waiting))
         m.kv_usage.set(self.blocks.usage())
+        m.weight_version.set(self.weight_version)
         m.num_preemptions.set_total(s.num_preemptions)
         m.prefix_queries.set_total(self.blocks.queries_tokens)
         m.prefix_hits.set_total(self.blocks.hits_tokens)

@@ -9,7 +9,8 @@ and ``engine``): gauges ``vllm:num_requests_running``, ``vllm:num_requests_waiti
 metric is pearl's own: ``pearl:prompt_tokens_computed`` counts the prompt tokens this
 instance actually computed, neither found in its prefix cache nor pulled from a prefill
 instance (vLLM's ``vllm:prompt_tokens`` counts every prompt token), so that a test and the
-engine benchmark can see that a decode instance recomputed no prompt.
+engine benchmark can see that a decode instance recomputed no prompt; the gauge
+``pearl:weight_version`` is the version of the weights being served.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class EngineMetrics:
         self.running = gauge("vllm:num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage (1 = full).")
+        self.weight_version = gauge("pearl:weight_version", "The version of the weights served.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of requests.")
         self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.")
         self.prompt_tokens_computed = counter(

@@ -1,4 +1,4 @@
-"""Fixtures of the engine tests: one tiny model directory for the session."""
+"""Fixtures shared by the test folders: one tiny model directory for the session."""
 
 from __future__ import annotations
 
