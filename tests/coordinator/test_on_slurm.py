@@ -23,6 +23,7 @@ from slurm_cluster import REPO, DevCluster, dev_cluster, wait_for
 
 from pearl.coordinator.journal import replay
 from pearl.core.state import AllocationStatus
+from pearl.engines.client import call
 
 
 @pytest.fixture(scope="module")
@@ -202,13 +203,29 @@ def test_coordinator_job_gets_a_grant_and_resumes_after_a_requeue(
     cluster.run("scancel", "-u", "root")
 
 
+def _serving_engine(agent_pid: int) -> str | None:
+    """The URL of one of the agent's reference engines that answers ``/health``."""
+    for pid in children(agent_pid, b"serve"):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+        except OSError:
+            continue
+        url = f"http://127.0.0.1:{argv[argv.index('--port') + 1]}"
+        if call(lambda c: c.health(), url, 2.0):
+            return url
+    return None
+
+
 def test_an_elastic_grant_brings_its_agent_and_a_preemption_takes_it_away(
-    cluster: DevCluster, tmp_path: Path
+    cluster: DevCluster, tmp_path: Path, tiny_model_dir: Path
 ) -> None:
+    """The elastic allocation's agent starts the decision's engines (pearl's reference
+    engine, `agents.engine`), which serve; the coordinator restarts without disturbing
+    them; a preemption drains the agent within its grace period."""
     config = _config(tmp_path)
     doc = yaml.safe_load(config.read_text())
-    engine = f"{sys.executable} -m pearl.engines.fake --port {{port}}"
-    doc["agents"] = {"engines": [f"*={engine}"], "grace_s": 5}
+    engine = {"backend": "reference", "model": str(tiny_model_dir), "kv_cache_tokens": 4096}
+    doc["agents"] = {"engine": engine, "grace_s": 5}
     config.write_text(yaml.safe_dump(doc), encoding="utf-8")
     run = tmp_path / "run"
     journal, agents_file = run / "journal.jsonl", run / "agents.json"
@@ -228,6 +245,16 @@ def test_an_elastic_grant_brings_its_agent_and_a_preemption_takes_it_away(
         elastic = sorted(g.gpu_id for g in state.gpus if g.allocation_id == "el0001")
         assert sorted(agent["gpus"]) == elastic  # type: ignore[arg-type]
         node = str(agent["node"])
+        url: list[str] = []
+
+        def serving() -> bool:
+            found = _serving_engine(_pid(agent))
+            url[:] = [found] if found else []
+            return bool(url)
+
+        wait_for(serving, 90, "an engine that serves", cluster)
+        answer = call(lambda c: c.completions({"prompt": "hello", "max_tokens": 4}), url[0], 30)
+        assert answer["usage"]["completion_tokens"] == 4
         # the coordinator dies and comes back: the allocation holds, its agent reconnects
         coordinator.kill()
         coordinator.wait()
