@@ -63,7 +63,8 @@ def build_app(inst: Instance) -> FastAPI:
     async def _invalid(_: Request, err: RequestValidationError) -> JSONResponse:
         first = err.errors()[0] if err.errors() else {"msg": "invalid request", "loc": ()}
         if first.get("type") == "json_invalid":
-            problem = (first.get("ctx") or {}).get("error", "invalid JSON")
+            ctx = first.get("ctx")
+            problem = ctx.get("error", "invalid JSON") if isinstance(ctx, dict) else "invalid"
             return JSONResponse(error_body(f"the body is not valid JSON: {problem}"), 400)
         where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
         msg = f"{where}: {first.get('msg')}" if where else str(first.get("msg"))
