@@ -1,0 +1,1 @@
+"""The HTTP router over pearl/serving's rules: turns to instances, live plan steps, migration."""

@@ -1,0 +1,171 @@
+"""An OpenAI-compatible front on the router, so that an agent written against the OpenAI
+SDK runs through pearl (as AReaL allows): ``POST /v1/chat/completions`` and
+``POST /v1/completions``, routed turn by turn like pearl's own agent loop.
+
+The calls of one trajectory are tied together by the header ``X-Session-Id`` (the OpenAI
+SDK sends it with ``extra_headers``; without it each call is a trajectory of its own): the
+router keeps the session's home instance, and the front records every turn of the session
+(prompt token ids, generated token ids, their logprobs and weight versions), which
+``GET /sessions/{id}`` returns and ``DELETE /sessions/{id}`` hands over and forgets. The
+chat route applies the model's chat template and parses Hermes-style tool calls, as the
+engines' own chat route does; generation itself always goes through the router's
+completions, so routing, PD and migration are the same for both.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from pearl.engines.protocol import ChatCompletionRequest, CompletionRequest, error_body, usage
+from pearl.engines.reference.tokenizer import Tokenizer
+from pearl.engines.reference.tool_calls import parse_tool_calls
+from pearl.router.router import Router, Sampling, Turn, TurnOutput
+
+SESSION_HEADER = "x-session-id"
+
+
+@dataclass
+class RecordedTurn:
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str | None
+    served_by: list[str]
+
+
+@dataclass
+class Session:
+    session_id: str
+    turns: list[RecordedTurn] = field(default_factory=list)
+
+
+def build_front(router: Router, tokenizer: Tokenizer, model_name: str) -> FastAPI:
+    app = FastAPI(title="pearl router")
+    sessions: dict[str, Session] = {}
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, err: RequestValidationError) -> JSONResponse:
+        first = err.errors()[0] if err.errors() else {"msg": "invalid request", "loc": ()}
+        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+        return JSONResponse(error_body(f"{where}: {first.get('msg')}", param=where), 400)
+
+    def _session(request: Request) -> Session:
+        sid = request.headers.get(SESSION_HEADER) or uuid.uuid4().hex
+        return sessions.setdefault(sid, Session(sid))
+
+    async def _run(
+        session: Session, prompt: list[int], body: CompletionRequest | ChatCompletionRequest
+    ) -> TurnOutput:
+        max_tokens = body.max_tokens
+        if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
+            max_tokens = body.max_completion_tokens
+        sampling = Sampling(
+            max_tokens=max_tokens or 256,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            seed=body.seed,
+            stop_token_ids=tuple(body.stop_token_ids),
+            ignore_eos=body.ignore_eos,
+        )
+        turn_id = f"{session.session_id}-t{len(session.turns)}"
+        out = await router.generate(Turn(session.session_id, tuple(prompt), sampling, turn_id))
+        session.turns.append(
+            RecordedTurn(
+                prompt, out.token_ids, out.logprobs, out.versions, out.finish_reason, out.served_by
+            )
+        )
+        return out
+
+    def _head(kind: str) -> dict[str, Any]:
+        return {
+            "id": f"{kind}-{uuid.uuid4().hex}",
+            "created": int(time.time()),
+            "model": model_name,
+        }
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> JSONResponse:
+        p = body.prompt
+        if isinstance(p, str):
+            prompt = tokenizer.encode(p)
+        elif p and all(isinstance(x, int) for x in p):
+            prompt = [int(x) for x in p]  # type: ignore[arg-type]
+        else:
+            return JSONResponse(error_body("prompt: one prompt per request", param="prompt"), 400)
+        out = await _run(_session(request), prompt, body)
+        choice = {
+            "index": 0,
+            "text": tokenizer.decode(out.token_ids),
+            "logprobs": {"token_logprobs": out.logprobs} if body.logprobs is not None else None,
+            "finish_reason": out.finish_reason,
+            "token_ids": out.token_ids,
+            "weight_versions": out.versions,
+        }
+        return JSONResponse(
+            {
+                **_head("cmpl"),
+                "object": "text_completion",
+                "choices": [choice],
+                "usage": usage(len(prompt), len(out.token_ids)),
+            }
+        )
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request) -> JSONResponse:
+        try:
+            text = tokenizer.apply_chat_template(body.messages, tools=body.tools)
+        except ValueError as err:
+            return JSONResponse(error_body(f"messages: {err}", param="messages"), 400)
+        prompt = tokenizer.encode(text)
+        out = await _run(_session(request), prompt, body)
+        content: str | None = tokenizer.decode(out.token_ids)
+        calls: list[dict[str, Any]] = []
+        if body.tools and body.tool_choice != "none" and content is not None:
+            content, calls = parse_tool_calls(content)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = calls
+        choice = {
+            "index": 0,
+            "message": message,
+            "finish_reason": "tool_calls" if calls else out.finish_reason,
+            "token_ids": out.token_ids,
+            "weight_versions": out.versions,
+        }
+        return JSONResponse(
+            {
+                **_head("chatcmpl"),
+                "object": "chat.completion",
+                "choices": [choice],
+                "usage": usage(len(prompt), len(out.token_ids)),
+            }
+        )
+
+    @app.get("/sessions/{session_id}")
+    async def get_session(session_id: str) -> JSONResponse:
+        s = sessions.get(session_id)
+        if s is None:
+            return JSONResponse(error_body(f"no session {session_id!r}", status=404), 404)
+        return JSONResponse({"session_id": s.session_id, "turns": [asdict(t) for t in s.turns]})
+
+    @app.delete("/sessions/{session_id}")
+    async def end_session(session_id: str) -> JSONResponse:
+        s = sessions.pop(session_id, None)
+        router.forget(session_id)
+        if s is None:
+            return JSONResponse(error_body(f"no session {session_id!r}", status=404), 404)
+        return JSONResponse({"session_id": s.session_id, "turns": [asdict(t) for t in s.turns]})
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        return JSONResponse({"instances": sum(1 for i in router.table if i.accepting)})
+
+    return app

@@ -1,0 +1,309 @@
+"""The router: each turn of each trajectory to the instances of the current PD configuration.
+
+``Router.generate(turn)`` sends one turn and returns its output (token ids, logprobs, the
+weight version of every token, where it ran). Where it goes is ``pearl.serving.routing``'s
+rule over the router's :class:`~pearl.router.instances.InstanceTable`:
+
+- **colocated**: one ``POST /v1/completions`` on an entry instance, the trajectory's
+  *home* (the instance that holds its prefix) unless the cost-aware rule finds a better
+  one (with an engine profile), or, without a profile, unless home is saturated
+  (``max_seqs_per_instance`` in flight) — then the least loaded;
+- **disaggregated**: the prefill on a prefill instance (``kv_transfer_params:
+  {do_remote_decode: true}``, ``max_tokens: 1``, not streamed), then the decode on the
+  least-loaded decode instance with the ``kv_transfer_params`` the prefill returned — the
+  calls and fields of vLLM's disaggregated proxy (``toy_proxy_server.py``).
+
+A turn whose request comes back aborted (a migration took it off its instance, a pause
+with ``mode=abort``, a sleep) is continued: its prompt grows by the tokens generated so far,
+its ``max_tokens`` shrinks by as many, and it is routed again, so no token is generated
+twice and the turn's output is the concatenation. A turn with no instance to go to waits
+(parked) until the table changes. An instance that does not answer is skipped for that
+turn, which is routed again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pearl.core.profile import EngineProfile
+from pearl.core.roles import Role
+from pearl.engines.client import EngineClient, EngineError, EngineUnreachable
+from pearl.router.instances import InFlight, Instance, InstanceTable
+from pearl.serving.routing import least_loaded, route_decode, route_turn
+
+PREFILL_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+@dataclass(frozen=True)
+class Sampling:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class Turn:
+    traj_id: str
+    prompt_ids: tuple[int, ...]
+    sampling: Sampling
+    turn_id: str = ""
+
+
+@dataclass
+class TurnOutput:
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    served_by: list[str] = field(default_factory=list)  # where each request generated
+    prefilled_by: list[str] = field(default_factory=list)  # prefill instances (disaggregated)
+    continuations: int = 0  # requests resubmitted after an abort
+    started_s: float = 0.0
+    ended_s: float = 0.0
+
+    def extend(self, choice: dict[str, Any], worker_id: str, version: int | None) -> int:
+        ids = [int(t) for t in choice.get("token_ids") or []]
+        lps = (choice.get("logprobs") or {}).get("token_logprobs") or [0.0] * len(ids)
+        vers = choice.get("weight_versions") or [version or 0] * len(ids)
+        self.token_ids += ids
+        self.logprobs += [float(x) for x in lps]
+        self.versions += [int(v) for v in vers]
+        self.finish_reason = choice.get("finish_reason")
+        self.served_by.append(worker_id)
+        return len(ids)
+
+
+class NoInstance(RuntimeError):
+    """Raised only by ``generate(..., wait=False)``: nothing accepts turns now."""
+
+
+class Router:
+    def __init__(
+        self,
+        table: InstanceTable | None = None,
+        *,
+        engine: EngineProfile | None = None,
+        max_seqs_per_instance: int = 64,
+        timeout_s: float = 600.0,
+    ) -> None:
+        self.table = table or InstanceTable()
+        self.engine = engine
+        self.max_seqs_per_instance = max_seqs_per_instance
+        self.timeout_s = timeout_s
+        self.home: dict[str, tuple[str, int]] = {}  # traj -> (instance, cached prefix tokens)
+        self._clients: dict[str, EngineClient] = {}
+        self._ids = itertools.count()
+        self._output_tokens_sum = 0
+        self._output_turns = 0
+
+    async def aclose(self) -> None:
+        for c in self._clients.values():
+            await c.aclose()
+        self._clients.clear()
+
+    def client(self, inst: Instance) -> EngineClient:
+        c = self._clients.get(inst.url)
+        if c is None:
+            c = self._clients[inst.url] = EngineClient(inst.url, timeout_s=self.timeout_s)
+        return c
+
+    def forget(self, traj_id: str) -> None:
+        """The trajectory has ended: its home is not needed any more."""
+        self.home.pop(traj_id, None)
+
+    # -- routing -----------------------------------------------------------------------
+
+    @property
+    def turns_done(self) -> int:
+        return self._output_turns
+
+    @property
+    def expected_output_tokens(self) -> float:
+        if not self._output_turns:
+            return 256.0
+        return self._output_tokens_sum / self._output_turns
+
+    def _choose(self, traj_id: str, prompt_tokens: int, skip: set[str]) -> Instance | None:
+        among = self.table.candidates()
+        entries = [e for e in among.entries if e.worker_id not in skip]
+        if not entries:
+            return None
+        home_id, cached = self.home.get(traj_id, (None, 0))
+        home = self.table.get(home_id) if home_id is not None and home_id in self.table else None
+        if home is not None and (home.worker_id in skip or home.worker_id not in among.entry_ids):
+            home = None  # gone, draining, failed this turn, or no entry now (a decode one)
+        if self.engine is not None and not skip:
+            engine = self.engine
+            wid = route_turn(
+                prompt_tokens,
+                self.expected_output_tokens,
+                among,
+                home,
+                cached,
+                lambda w: self.table.get(w).queue(engine),
+            )
+            return self.table.get(wid) if wid is not None else None
+        if home is not None and home.load < self.max_seqs_per_instance:
+            return home
+        best = least_loaded(entries)
+        return self.table.get(best.worker_id) if best is not None else None
+
+    async def _entry(self, traj_id: str, prompt_tokens: int, skip: set[str]) -> Instance:
+        while True:
+            changed = self.table.changed
+            inst = self._choose(traj_id, prompt_tokens, skip)
+            if inst is not None:
+                return inst
+            if skip:  # every other instance failed this turn: try them all again
+                skip.clear()
+                continue
+            await changed.wait()  # parked until an instance joins or comes back
+
+    # -- one turn ----------------------------------------------------------------------
+
+    def _body(self, turn: Turn, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+        s = turn.sampling
+        body: dict[str, Any] = {
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "logprobs": 0,
+            "return_token_ids": True,
+            "ignore_eos": s.ignore_eos,
+        }
+        if s.seed is not None:
+            body["seed"] = s.seed
+        if s.stop_token_ids:
+            body["stop_token_ids"] = list(s.stop_token_ids)
+        return body
+
+    async def _send(
+        self, inst: Instance, turn: Turn, body: dict[str, Any], cached: int
+    ) -> dict[str, Any]:
+        rid = f"{turn.turn_id or turn.traj_id}-{next(self._ids)}"
+        inst.sent(InFlight(rid, turn.traj_id, len(body["prompt"]), cached))
+        try:
+            return await self.client(inst).completions(body, request_id=rid)
+        finally:
+            inst.returned(rid)
+
+    async def generate(self, turn: Turn) -> TurnOutput:
+        out = TurnOutput(started_s=time.monotonic())
+        skip: set[str] = set()
+        while True:
+            prompt = [*turn.prompt_ids, *out.token_ids]
+            left = turn.sampling.max_tokens - len(out.token_ids)
+            entry = await self._entry(turn.traj_id, len(prompt), skip)
+            home_id, cached = self.home.get(turn.traj_id, (None, 0))
+            cached = cached if home_id == entry.worker_id else 0
+            try:
+                if entry.role is Role.PREFILL:
+                    got = await self._disaggregated(entry, turn, prompt, left, cached, out)
+                else:
+                    resp = await self._send(entry, turn, self._body(turn, prompt, left), cached)
+                    got = out.extend(resp["choices"][0], entry.worker_id, entry.weight_version)
+                    self.home[turn.traj_id] = (entry.worker_id, len(prompt) + max(0, got - 1))
+            except EngineUnreachable:
+                skip.add(entry.worker_id)
+                await asyncio.sleep(0.01)
+                continue
+            if out.finish_reason == "abort" and len(out.token_ids) < turn.sampling.max_tokens:
+                out.continuations += 1
+                continue  # taken off its instance: the rest of the turn goes elsewhere
+            out.ended_s = time.monotonic()
+            self._output_tokens_sum += len(out.token_ids)
+            self._output_turns += 1
+            return out
+
+    async def _disaggregated(
+        self,
+        prefill: Instance,
+        turn: Turn,
+        prompt: list[int],
+        left: int,
+        cached: int,
+        out: TurnOutput,
+    ) -> int:
+        """Prefill on ``prefill``, decode where its KV goes; the tokens added to ``out``."""
+        body = self._body(turn, prompt, 1)
+        body["kv_transfer_params"] = dict(PREFILL_PARAMS)
+        resp = await self._send(prefill, turn, body, cached)
+        self.home[turn.traj_id] = (prefill.worker_id, len(prompt))
+        out.prefilled_by.append(prefill.worker_id)
+        params = resp.get("kv_transfer_params")
+        choice = resp["choices"][0]
+        if not params or choice.get("finish_reason") != "length" or left == 1:
+            # the prefill's one token ended the turn (a stop, or one token asked), or it
+            # was aborted: that is the turn's output so far
+            return out.extend(choice, prefill.worker_id, prefill.weight_version)
+        while True:
+            decode_id = route_decode(self.table.candidates())
+            if decode_id is not None:
+                break
+            await self.table.changed.wait()
+        decode = self.table.get(decode_id)
+        body = self._body(turn, prompt, left)
+        body["kv_transfer_params"] = params
+        try:
+            resp = await self._send(decode, turn, body, len(prompt))
+        except EngineError as err:
+            if isinstance(err, EngineUnreachable) or err.status != 400:
+                raise
+            # the KV could not be pulled (the lease expired, the producer went away):
+            # the next attempt prefills again
+            out.finish_reason = "abort"
+            return 0
+        return out.extend(resp["choices"][0], decode.worker_id, decode.weight_version)
+
+    # -- plan steps that touch traffic ------------------------------------------------
+
+    async def drain(self, worker_id: str, timeout_s: float | None = None) -> None:
+        """No new turns to ``worker_id``; returns once its requests in flight are back."""
+        inst = self.table.drain(worker_id)
+        await asyncio.wait_for(inst.idle.wait(), timeout_s)
+
+    async def migrate(self, worker_id: str, timeout_s: float | None = None) -> int:
+        """Drain ``worker_id`` and abort its requests in flight: each comes back with its
+        tokens so far and :meth:`generate` continues it elsewhere. The requests aborted."""
+        inst = self.table.drain(worker_id)
+        ids = list(inst.in_flight)
+        if ids:
+            await self.client(inst).abort_requests(ids)
+        await asyncio.wait_for(inst.idle.wait(), timeout_s)
+        return len(ids)
+
+    async def scrape(self) -> None:
+        """Read every instance's ``/metrics`` once (queue, KV usage, weight version)."""
+
+        async def one(inst: Instance) -> None:
+            try:
+                m = await self.client(inst).metrics()
+            except EngineError:
+                return
+            inst.scraped_waiting = int(m.get("vllm:num_requests_waiting", 0))
+            inst.scraped_running = int(m.get("vllm:num_requests_running", 0))
+            inst.kv_usage = float(m.get("vllm:kv_cache_usage_perc", 0.0))
+            if "pearl:weight_version" in m:
+                inst.weight_version = int(m["pearl:weight_version"])
+
+        await asyncio.gather(*(one(i) for i in list(self.table)))
+
+    async def scrape_forever(self, interval_s: float = 1.0) -> None:
+        while True:
+            await self.scrape()
+            await asyncio.sleep(interval_s)
