@@ -236,6 +236,38 @@ def test_completions_text_and_ids_streamed_and_not(E: Engines) -> None:
     arun(main())
 
 
+def test_stream_sends_token_ids_while_a_character_is_incomplete(
+    E: Engines, tiny_model_dir: Path
+) -> None:
+    """A token that ends inside a UTF-8 character holds back its text, not its token id:
+    a client that streams token ids (to abort after k of them, say) gets each as it is
+    made. The default-std tiny model (same shapes and tokenizer) repeats the prompt's last
+    token, here a lone byte of a multi-byte character."""
+    if E.model_dir is None:
+        pytest.skip("the engine's model directory is not known here")
+    model_dir = E.model_dir
+    from pearl.engines.reference.tokenizer import load
+
+    tok = load(model_dir)
+    byte = next(t for t in range(512) if tok.decode([t, t, t]).endswith("\ufffd"))
+
+    async def main() -> None:
+        async with EngineClient(E.engine.url, timeout_s=TIMEOUT_S) as c:
+            await c.reload_weights(weights_path=str(tiny_model_dir))
+            try:
+                body = greedy(E, [*_prompt(2, 8), byte], 12)
+                whole = (await c.completions(body))["choices"][0]
+                assert ids_of(whole) == [byte] * 12  # the premise: it repeats the byte
+                events, text, ids = await _stream(c, body)
+                assert ids == ids_of(whole) and text == whole["text"]
+                carrying = [ev for ev in events if any(ch.get("token_ids") for ch in ev["choices"])]
+                assert len(carrying) > 1, "every token id held back to the end"
+            finally:
+                await c.reload_weights(weights_path=str(model_dir))
+
+    arun(main())
+
+
 # -- 2. chat ------------------------------------------------------------------------------
 
 TOOLS = [
