@@ -148,6 +148,28 @@ def _need_reference(e: Engines, what: str) -> None:
         pytest.skip(f"{what}: only the reference engine started here has it")
 
 
+def _same_shape_model(e: Engines, out: Path, *, seed: int, std: float) -> Path:
+    """A model of the engine's shapes (read from its config) with other random weights;
+    the tokenizer is the same (init_model's is fixed by the vocabulary size)."""
+    from pearl.engines.reference.tiny import init_model
+
+    assert e.model_dir is not None
+    cfg = json.loads((e.model_dir / "config.json").read_text())
+    return init_model(
+        out,
+        layers=cfg["num_hidden_layers"],
+        hidden=cfg["hidden_size"],
+        heads=cfg["num_attention_heads"],
+        kv_heads=cfg["num_key_value_heads"],
+        head_dim=cfg["head_dim"],
+        intermediate=cfg["intermediate_size"],
+        vocab=cfg["vocab_size"],
+        max_position_embeddings=cfg["max_position_embeddings"],
+        seed=seed,
+        std=std,
+    )
+
+
 def _prompt(seed: int, n: int, vocab: int = 512) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(3, min(vocab, 500)) for _ in range(n)]
@@ -237,7 +259,7 @@ def test_completions_text_and_ids_streamed_and_not(E: Engines) -> None:
 
 
 def test_stream_sends_token_ids_while_a_character_is_incomplete(
-    E: Engines, tiny_model_dir: Path
+    E: Engines, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     """A token that ends inside a UTF-8 character holds back its text, not its token id:
     a client that streams token ids (to abort after k of them, say) gets each as it is
@@ -249,14 +271,17 @@ def test_stream_sends_token_ids_while_a_character_is_incomplete(
     from pearl.engines.reference.tokenizer import load
 
     tok = load(model_dir)
-    byte = next(t for t in range(512) if tok.decode([t, t, t]).endswith("\ufffd"))
+    byte = next(t for t in range(E.vocab) if tok.decode([t, t, t]).endswith("\ufffd"))
+    repeater = _same_shape_model(E, tmp_path_factory.mktemp("models") / "std002", seed=0, std=0.02)
 
     async def main() -> None:
         async with EngineClient(E.engine.url, timeout_s=TIMEOUT_S) as c:
-            await c.reload_weights(weights_path=str(tiny_model_dir))
+            await c.reload_weights(weights_path=str(repeater))
             try:
                 body = greedy(E, [*_prompt(2, 8), byte], 12)
                 whole = (await c.completions(body))["choices"][0]
+                if ids_of(whole) != [byte] * 12 and not E.reference:
+                    pytest.skip("this model does not repeat the prompt's last token")
                 assert ids_of(whole) == [byte] * 12  # the premise: it repeats the byte
                 events, text, ids = await _stream(c, body)
                 assert ids == ids_of(whole) and text == whole["text"]
@@ -654,24 +679,9 @@ def test_reload_and_push_change_outputs_and_versions(
 ) -> None:
     if E.model_dir is None:
         pytest.skip("the engine's model directory is not known here")
-    from pearl.engines.reference.tiny import init_model
     from pearl.engines.reference.weights import read_weights, weights_bytes
 
-    cfg = json.loads((E.model_dir / "config.json").read_text())
-    other = init_model(
-        tmp_path_factory.mktemp("models") / "other",
-        layers=cfg["num_hidden_layers"],
-        hidden=cfg["hidden_size"],
-        heads=cfg["num_attention_heads"],
-        kv_heads=cfg["num_key_value_heads"],
-        head_dim=cfg["head_dim"],
-        intermediate=cfg["intermediate_size"],
-        vocab=cfg["vocab_size"],
-        max_position_embeddings=cfg["max_position_embeddings"],
-        seed=1,
-        std=STD,
-    )
-
+    other = _same_shape_model(E, tmp_path_factory.mktemp("models") / "other", seed=1, std=STD)
     model_dir = E.model_dir
 
     async def main() -> None:
