@@ -209,7 +209,7 @@ async def _stream(
 ) -> tuple[list[JSON], str, list[int]]:
     """Every event of a streamed completion, its text and its token ids."""
     events: list[JSON] = []
-    text, ids = "", []
+    text, ids = "", list[int]()
     async for ev in c.stream_completions(body, request_id=request_id):
         events.append(ev)
         for ch in ev["choices"]:
