@@ -1,10 +1,26 @@
-"""Fixtures shared by the test folders: one tiny model directory for the session."""
+"""Fixtures shared by the test folders: one tiny model directory for the session, and the
+options that point the engine protocol conformance tests at engines already running."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("engines", "engine protocol conformance")
+    group.addoption(
+        "--engine-url",
+        default=None,
+        help="run tests/engines/test_protocol_conformance.py against this running engine "
+        "(e.g. vllm serve) instead of starting reference-engine processes",
+    )
+    group.addoption(
+        "--peer-url",
+        default=None,
+        help="the second running engine (the PD decode side, the continuation); with --engine-url",
+    )
 
 
 @pytest.fixture(scope="session")

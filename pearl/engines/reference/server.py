@@ -219,7 +219,9 @@ def build_app(inst: Instance) -> FastAPI:
             async for event in g.events():
                 text = text_of(inst.tokenizer, g.token_ids, g.stop_reason)
                 if event.finish is None and text.endswith("\ufffd"):
-                    continue  # a character split across tokens: wait for the rest
+                    # a character split across tokens: its text waits for the rest, the
+                    # token ids (logprobs, versions) go now
+                    text = sent_text
                 choice: dict[str, Any] = {
                     "index": 0,
                     "text": text[len(sent_text) :],
@@ -308,7 +310,7 @@ def build_app(inst: Instance) -> FastAPI:
             async for event in g.events():
                 text = text_of(inst.tokenizer, g.token_ids, g.stop_reason)
                 if event.finish is None and text.endswith("\ufffd"):
-                    continue
+                    text = sent_text  # the text waits for the rest of the character
                 choice: dict[str, Any] = {
                     "index": 0,
                     "delta": {"content": text[len(sent_text) :]},
