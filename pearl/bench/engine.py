@@ -60,6 +60,7 @@ def bench_engine(
     prompt_tokens: int = 512,
     threads: int | None = None,
     pd_requests: int = 8,
+    settle_s: float = SETTLE_S,
 ) -> dict[str, Any]:
     import torch
 
@@ -83,7 +84,6 @@ def bench_engine(
             model_dir = Path(model)
             model_info = {"path": str(model_dir), "written": None}
         vocab = _vocab_size(model_dir)
-        naive = _Naive(model_dir, threads, vocab)
         load_before = os.getloadavg()
         a = EngineProcess(
             model_dir, kv_port=free_port(), engine_id="a", threads=threads, log_dir=tmp
@@ -94,6 +94,7 @@ def bench_engine(
         try:
             a.start()
             b.start()  # idle while A is measured: it waits on its queue, no busy loop
+            naive = _Naive(model_dir, threads, vocab)  # loads while the engines start
             a.wait_healthy()
             b.wait_healthy()
             # Engine and naive measured in turn at each concurrency, so that the load of
@@ -101,15 +102,15 @@ def bench_engine(
             asyncio.run(_engine_decode(a.url, 2, 4, vocab, seed=99))  # warm up
             decode = []
             for i, c in enumerate(concurrency):
-                time.sleep(SETTLE_S)
+                time.sleep(settle_s)
                 e = asyncio.run(_engine_decode(a.url, c, max_tokens, vocab, seed=1000 + i))
-                time.sleep(SETTLE_S)
+                time.sleep(settle_s)
                 n = naive.decode(c, max_tokens, seed=1000 + i)
                 decode.append(_row(c, e, n))
             n_pre = max(concurrency)
-            time.sleep(SETTLE_S)
+            time.sleep(settle_s)
             e_pre = asyncio.run(_engine_prefill(a.url, n_pre, prompt_tokens, vocab))
-            time.sleep(SETTLE_S)
+            time.sleep(settle_s)
             naive_pre = naive.prefill(n_pre, prompt_tokens)
             pd = asyncio.run(
                 _pd_figures(a.url, b.url, pd_requests, prompt_tokens, max_tokens, vocab)

@@ -47,6 +47,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     en.add_argument("--prompt-tokens", type=int, default=512, help="prompt of the prefill runs")
     en.add_argument("--threads", type=int, default=None, help="torch threads (engine, naive)")
     en.add_argument("--pd-requests", type=int, default=8, help="requests through prefill->decode")
+    en.add_argument(
+        "--settle-s", type=float, default=0.5, help="pause between engine and naive phases"
+    )
     en.add_argument("--json", action="store_true", help="print only the JSON object")
     en.set_defaults(run=_run_engine)
 
@@ -122,6 +125,12 @@ def _run_engine(args: argparse.Namespace) -> int:
     from pearl.bench.engine import bench_engine
 
     result = bench_engine(
-        args.model, concurrency, args.max_tokens, args.prompt_tokens, args.threads, args.pd_requests
+        args.model,
+        concurrency,
+        args.max_tokens,
+        args.prompt_tokens,
+        args.threads,
+        args.pd_requests,
+        max(0.0, args.settle_s),
     )
     return _print(result, args.json)
