@@ -115,7 +115,7 @@ def bench_engine(
             pd = asyncio.run(
                 _pd_figures(a.url, b.url, pd_requests, prompt_tokens, max_tokens, vocab)
             )
-        except BaseException as err:
+        except Exception as err:
             logs = {"a": a.log_tail(), "b": b.log_tail()}
             a.stop()
             b.stop()
