@@ -40,6 +40,18 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     an.add_argument("--events", type=int, default=1_000_000, help="records in the log")
     an.add_argument("--json", action="store_true", help="print only the JSON object")
     an.set_defaults(run=_run_analyze)
+    en = which.add_parser("engine", help="reference engine against naive generate(), and PD")
+    en.add_argument("--model", default=None, help="model directory (default: a tiny one)")
+    en.add_argument("--concurrency", default="1,8,32", help="concurrent requests, comma list")
+    en.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request")
+    en.add_argument("--prompt-tokens", type=int, default=512, help="prompt of the prefill runs")
+    en.add_argument("--threads", type=int, default=None, help="torch threads (engine, naive)")
+    en.add_argument("--pd-requests", type=int, default=8, help="requests through prefill->decode")
+    en.add_argument(
+        "--settle-s", type=float, default=0.5, help="pause between engine and naive phases"
+    )
+    en.add_argument("--json", action="store_true", help="print only the JSON object")
+    en.set_defaults(run=_run_engine)
 
 
 def _run_decide(args: argparse.Namespace) -> int:
@@ -84,3 +96,41 @@ def _run_analyze(args: argparse.Namespace) -> int:
     from pearl.analysis.bench import bench_analyze
 
     return _print(bench_analyze(args.events), args.json)
+
+
+def int_list(text: str, flag: str) -> tuple[int, ...]:
+    """``"1,8,32"`` as ``(1, 8, 32)``; anything else (or a value < 1) is an input error."""
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise InputError(
+            "<command line>", flag, f"need positive integers, comma separated: {text!r}"
+        )
+    return values
+
+
+def _run_engine(args: argparse.Namespace) -> int:
+    concurrency = int_list(args.concurrency, "--concurrency")
+    if args.max_tokens < 1 or args.prompt_tokens < 1 or args.pd_requests < 1:
+        raise InputError(
+            "<command line>", "--max-tokens/--prompt-tokens/--pd-requests", "need >= 1"
+        )
+    if args.threads is not None and args.threads < 1:
+        raise InputError("<command line>", "--threads", "need >= 1")
+    for module in ("torch", "fastapi", "uvicorn", "prometheus_client"):
+        require(module)
+    require("transformers")
+    from pearl.bench.engine import bench_engine
+
+    result = bench_engine(
+        args.model,
+        concurrency,
+        args.max_tokens,
+        args.prompt_tokens,
+        args.threads,
+        args.pd_requests,
+        max(0.0, args.settle_s),
+    )
+    return _print(result, args.json)

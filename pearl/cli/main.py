@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from pearl.cli import agent, analyze, bench, coordinator, engine, model, plan, simulate
+from pearl.cli import agent, analyze, bench, coordinator, engine, model, plan, profile, simulate
 from pearl.cli.errors import run_command
 
 
@@ -25,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     analyze.add_parser(sub)
     engine.add_parser(sub)
     model.add_parser(sub)
+    profile.add_parser(sub)
     return parser
 
 
