@@ -84,7 +84,7 @@ def evaluate(expression: str) -> int | float:
 
 def _value(node: ast.expr) -> int | float:
     if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-        return node.value  # type: ignore[no-any-return]
+        return node.value  # type: ignore[return-value]
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
         return _bounded(_UNARY[type(node.op)](_value(node.operand)))
     if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
@@ -163,11 +163,11 @@ def arithmetic(config: ArithmeticConfig) -> ToolTask:
 class SingleDigit:
     """One-digit sums and differences; the first digit of the turn is the guess."""
 
-    tools: list[dict[str, Any]] = []
     system_prompt: str | None = None
 
     def __init__(self, config: SingleDigitConfig) -> None:
         self.config = config
+        self.tools: list[dict[str, Any]] = []
         self._answer: int | None = None
         self._turns = 0
 

@@ -42,8 +42,15 @@ class StepResult:
 class Environment(Protocol):
     """One episode at a time; ``close`` releases what the environment holds."""
 
-    tools: list[dict[str, Any]]  # OpenAI function schemas it offers (may be empty)
-    system_prompt: str | None
+    @property
+    def tools(self) -> list[dict[str, Any]]:
+        """OpenAI function schemas the environment offers (may be empty)."""
+        ...
+
+    @property
+    def system_prompt(self) -> str | None:
+        """A system message for the conversation, or None."""
+        ...
 
     async def reset(
         self, seed: int | None = None, options: dict[str, Any] | None = None

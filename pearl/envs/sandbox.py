@@ -31,6 +31,7 @@ group kill.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -135,9 +136,7 @@ class Sandbox:
         out, err = bytearray(), bytearray()
         assert proc.stdout is not None and proc.stderr is not None
         limit = c.max_output_chars * 4  # bytes: a character is at most 4 of them in UTF-8
-        drains = asyncio.gather(
-            _drain(proc.stdout, out, limit), _drain(proc.stderr, err, limit)
-        )
+        drains = asyncio.gather(_drain(proc.stdout, out, limit), _drain(proc.stderr, err, limit))
         timed_out = False
         try:
             await asyncio.wait_for(proc.wait(), c.timeout_s)
@@ -149,9 +148,9 @@ class Sandbox:
                 await proc.wait()
         duration_s = time.monotonic() - start
         try:
-            over = await asyncio.wait_for(drains, DRAIN_AFTER_KILL_S)
+            over = tuple(await asyncio.wait_for(drains, DRAIN_AFTER_KILL_S))
         except TimeoutError:  # something escaped the group and holds the pipes
-            over = [True, True]
+            over = (True, True)
         network = _network(status, proc.returncode)
         return SandboxResult(
             exit_code=None if timed_out else proc.returncode,
@@ -207,10 +206,8 @@ async def _drain(stream: asyncio.StreamReader, kept: bytearray, limit: int) -> b
 
 
 def _kill_group(pgid: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):  # already gone
         os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass  # already gone
 
 
 def _network(status: Path, exit_code: int | None) -> str:

@@ -70,8 +70,8 @@ def main() -> int:
         with open(status_path, "w") as status:
             json.dump({"error": error}, status)
         return SETUP_FAILED
-    network = "audit_hook" if error is not None or limits["network"] == "audit_hook" else (
-        "namespace"
+    network = (
+        "audit_hook" if error is not None or limits["network"] == "audit_hook" else ("namespace")
     )
     with open(status_path, "w") as status:
         json.dump({"network": network}, status)

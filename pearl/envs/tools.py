@@ -104,7 +104,9 @@ class ToolTask:
             correct = as_int(answer) == problem.answer
             info |= {"answer": answer, "expected": problem.answer, "correct": correct}
             info["end_reason"] = "answered"
-            return StepResult("Correct." if correct else "Wrong.", float(correct), True, False, info)
+            return StepResult(
+                "Correct." if correct else "Wrong.", float(correct), True, False, info
+            )
         results = await self._run_tools(action)
         if results:
             info["tool_results"] = results
