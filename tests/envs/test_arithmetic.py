@@ -31,8 +31,11 @@ def _run(coro: Any) -> Any:
 
 @pytest.mark.parametrize(
     ("answer", "reward"),
-    [pytest.param("23", 1.0, id="right"), pytest.param("24", 0.0, id="wrong"),
-     pytest.param("twenty", 0.0, id="not-a-number")],
+    [
+        pytest.param("23", 1.0, id="right"),
+        pytest.param("24", 0.0, id="wrong"),
+        pytest.param("twenty", 0.0, id="not-a-number"),
+    ],
 )
 def test_answer_reward(answer: str, reward: float) -> None:
     async def go() -> None:
