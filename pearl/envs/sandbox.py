@@ -11,7 +11,8 @@ What is enforced, and how (``docs/envs.md``, "The Python sandbox"):
 - wall clock: ``timeout_s``, then SIGKILL to the whole process group;
 - CPU time: ``RLIMIT_CPU`` (soft ``cpu_time_s``: SIGXCPU; hard one second later: SIGKILL);
 - memory: ``RLIMIT_AS`` of ``memory_mb`` (allocations fail with ``MemoryError``);
-- files: ``RLIMIT_FSIZE`` of ``max_file_mb`` per file, no core dumps, in a temporary
+- files: ``RLIMIT_FSIZE`` of ``max_file_mb`` per file (a write past it fails with
+  ``OSError: File too large``), no core dumps, in a temporary
   working directory removed afterwards (``HOME`` and ``TMPDIR`` point there);
 - network: a new network namespace (``unshare(CLONE_NEWNET)``, needs root or
   ``CAP_SYS_ADMIN``) with only a down loopback; where that is refused, PEP 578 audit hooks
@@ -177,7 +178,7 @@ def render(result: SandboxResult, config: SandboxConfig) -> str:
         result.signal_name == "SIGKILL" and result.duration_s >= config.cpu_time_s
     ):
         notes.append(f"[killed: CPU time limit of {config.cpu_time_s} s]")
-    elif result.signal_name == "SIGXFSZ":
+    elif result.signal_name == "SIGXFSZ":  # C code; Python itself ignores SIGXFSZ
         notes.append(f"[killed: file size limit of {config.max_file_mb} MiB]")
     elif result.signal_name is not None:
         notes.append(f"[killed by {result.signal_name}]")

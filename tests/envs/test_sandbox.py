@@ -67,6 +67,12 @@ def test_memory_limit_is_a_memory_error() -> None:
     assert result.exit_code == 1 and "MemoryError" in text and "[exit status 1]" in text
 
 
+def test_file_size_limit() -> None:
+    config = FAST.model_copy(update={"max_file_mb": 1})
+    result, text = _run("open('big', 'wb').write(b'x' * 2**21)", config)
+    assert result.exit_code == 1 and "File too large" in text
+
+
 def test_a_crash_is_an_observation() -> None:
     result, text = _run("def f():\n    return 1 / 0\nf()")
     assert result.exit_code == 1
