@@ -12,6 +12,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -124,17 +125,18 @@ def rss_bytes(pid: int) -> int:
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def model_config(model_dir: Path) -> dict[str, object]:
-    doc: dict[str, object] = json.loads((model_dir / "config.json").read_text())
+def model_config(model_dir: Path) -> dict[str, Any]:
+    doc: dict[str, Any] = json.loads((model_dir / "config.json").read_text())
     return doc
 
 
 def kv_bytes_per_token(model_dir: Path) -> int:
     """Keys and values of one token over every layer, from the model's config."""
     c = model_config(model_dir)
-    layers, kv_heads = int(c["num_hidden_layers"]), int(c["num_key_value_heads"])  # type: ignore[call-overload]
-    head_dim = int(c.get("head_dim") or int(c["hidden_size"]) // int(c["num_attention_heads"]))  # type: ignore[call-overload]
-    return 2 * layers * kv_heads * head_dim * _DTYPE_BYTES[str(c.get("torch_dtype", "float32"))]
+    layers, kv_heads = int(c["num_hidden_layers"]), int(c["num_key_value_heads"])
+    head_dim = int(c.get("head_dim") or int(c["hidden_size"]) // int(c["num_attention_heads"]))
+    size = _DTYPE_BYTES[str(c.get("torch_dtype", "float32"))]
+    return int(2 * layers * kv_heads * head_dim * size)
 
 
 def weights_nbytes(model_dir: Path) -> int:

@@ -29,7 +29,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     init.add_argument("--max-position-embeddings", type=int, default=4096)
     init.add_argument("--seed", type=int, default=0, help="of the random weights")
     init.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
-    init.add_argument("--std", type=float, default=0.02, help="of the random weights")
+    init.add_argument("--std", type=float, default=0.3, help="of the random weights (0.3)")
     init.add_argument(
         "--overwrite", action="store_true", help="replace a non-empty directory not pearl's"
     )

@@ -3,13 +3,16 @@ SDK runs through pearl (as AReaL allows): ``POST /v1/chat/completions`` and
 ``POST /v1/completions``, routed turn by turn like pearl's own agent loop.
 
 The calls of one trajectory are tied together by the header ``X-Session-Id`` (the OpenAI
-SDK sends it with ``extra_headers``; without it each call is a trajectory of its own): the
+SDK sends it with ``extra_headers``; without it each call is a trajectory of its own, not
+recorded): the
 router keeps the session's home instance, and the front records every turn of the session
 (prompt token ids, generated token ids, their logprobs and weight versions), which
 ``GET /sessions/{id}`` returns and ``DELETE /sessions/{id}`` hands over and forgets. The
 chat route applies the model's chat template and parses Hermes-style tool calls, as the
 engines' own chat route does; generation itself always goes through the router's
-completions, so routing, PD and migration are the same for both.
+completions, so routing, PD and migration are the same for both. Not supported yet (a
+400 says so): ``stream`` and stop strings. An engine's 4xx comes back as it is; a turn the
+router gave up on is a 503.
 """
 
 from __future__ import annotations
@@ -23,12 +26,14 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
+from pearl.engines.client import EngineError
 from pearl.engines.protocol import ChatCompletionRequest, CompletionRequest, error_body, usage
 from pearl.engines.reference.tokenizer import Tokenizer
 from pearl.engines.reference.tool_calls import parse_tool_calls
-from pearl.router.router import Router, Sampling, Turn, TurnOutput
+from pearl.router.router import Router, Sampling, Turn, TurnFailed, TurnOutput
 
 SESSION_HEADER = "x-session-id"
+DEFAULT_MAX_TOKENS = 256
 
 
 @dataclass
@@ -51,6 +56,15 @@ def build_front(router: Router, tokenizer: Tokenizer, model_name: str) -> FastAP
     app = FastAPI(title="pearl router")
     sessions: dict[str, Session] = {}
 
+    @app.exception_handler(EngineError)
+    async def _engine_error(_: Request, err: EngineError) -> JSONResponse:
+        status = err.status if 400 <= err.status < 500 else 502
+        return JSONResponse(error_body(err.message, status=status), status)
+
+    @app.exception_handler(TurnFailed)
+    async def _failed(_: Request, err: TurnFailed) -> JSONResponse:
+        return JSONResponse(error_body(str(err), status=503), 503)
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, err: RequestValidationError) -> JSONResponse:
         first = err.errors()[0] if err.errors() else {"msg": "invalid request", "loc": ()}
@@ -58,8 +72,21 @@ def build_front(router: Router, tokenizer: Tokenizer, model_name: str) -> FastAP
         return JSONResponse(error_body(f"{where}: {first.get('msg')}", param=where), 400)
 
     def _session(request: Request) -> Session:
-        sid = request.headers.get(SESSION_HEADER) or uuid.uuid4().hex
+        """The call's session: the header's, or a new one that is not kept (no later call
+        could name it)."""
+        sid = request.headers.get(SESSION_HEADER)
+        if sid is None:
+            return Session(uuid.uuid4().hex)
         return sessions.setdefault(sid, Session(sid))
+
+    def _unsupported(body: CompletionRequest | ChatCompletionRequest) -> JSONResponse | None:
+        if body.stream:
+            return JSONResponse(
+                error_body("stream: not supported by the router", param="stream"), 400
+            )
+        if body.stops():
+            return JSONResponse(error_body("stop: use stop_token_ids", param="stop"), 400)
+        return None
 
     async def _run(
         session: Session, prompt: list[int], body: CompletionRequest | ChatCompletionRequest
@@ -68,7 +95,7 @@ def build_front(router: Router, tokenizer: Tokenizer, model_name: str) -> FastAP
         if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
             max_tokens = body.max_completion_tokens
         sampling = Sampling(
-            max_tokens=max_tokens or 256,
+            max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
             temperature=body.temperature,
             top_p=body.top_p,
             seed=body.seed,
@@ -93,6 +120,8 @@ def build_front(router: Router, tokenizer: Tokenizer, model_name: str) -> FastAP
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> JSONResponse:
+        if (refused := _unsupported(body)) is not None:
+            return refused
         p = body.prompt
         if isinstance(p, str):
             prompt = tokenizer.encode(p)
@@ -120,9 +149,11 @@ def build_front(router: Router, tokenizer: Tokenizer, model_name: str) -> FastAP
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> JSONResponse:
+        if (refused := _unsupported(body)) is not None:
+            return refused
         try:
             text = tokenizer.apply_chat_template(body.messages, tools=body.tools)
-        except ValueError as err:
+        except Exception as err:  # the template refused the conversation
             return JSONResponse(error_body(f"messages: {err}", param="messages"), 400)
         prompt = tokenizer.encode(text)
         out = await _run(_session(request), prompt, body)

@@ -17,13 +17,17 @@ A turn whose request comes back aborted (a migration took it off its instance, a
 with ``mode=abort``, a sleep) is continued: its prompt grows by the tokens generated so far,
 its ``max_tokens`` shrinks by as many, and it is routed again, so no token is generated
 twice and the turn's output is the concatenation. A turn with no instance to go to waits
-(parked) until the table changes. An instance that does not answer is skipped for that
-turn, which is routed again.
+(parked) until the table changes; a prefill that finds no decode instance accepting (a
+plan is changing the pools) frees its held KV and the turn is routed again. An instance
+that does not answer is skipped for that turn, which is routed again. Tries that bring no
+token back the router backs off from (exponentially, up to 0.5 s), and gives the turn up
+(``TurnFailed``) after ``MAX_FUTILE_TRIES`` of them in a row.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -33,7 +37,7 @@ from pearl.core.profile import EngineProfile
 from pearl.core.roles import Role
 from pearl.engines.client import EngineClient, EngineError, EngineUnreachable
 from pearl.router.instances import InFlight, Instance, InstanceTable
-from pearl.serving.routing import least_loaded, route_decode, route_turn
+from pearl.serving.routing import candidates, least_loaded, route_decode, route_turn
 
 PREFILL_PARAMS: dict[str, Any] = {
     "do_remote_decode": True,
@@ -87,8 +91,14 @@ class TurnOutput:
         return len(ids)
 
 
-class NoInstance(RuntimeError):
-    """Raised only by ``generate(..., wait=False)``: nothing accepts turns now."""
+class TurnFailed(RuntimeError):
+    """A turn that made no progress over ``MAX_FUTILE_TRIES`` tries in a row (every
+    instance unreachable, or each answer an abort without a token): the caller decides
+    (the rollout manager ends the trajectory with this reason)."""
+
+
+MAX_FUTILE_TRIES = 50
+BACKOFF_S = (0.01, 0.5)  # the first wait after a futile try, and the longest
 
 
 class Router:
@@ -139,14 +149,16 @@ class Router:
 
     def _choose(self, traj_id: str, prompt_tokens: int, skip: set[str]) -> Instance | None:
         among = self.table.candidates()
-        entries = [e for e in among.entries if e.worker_id not in skip]
+        if skip:
+            among = candidates(i for i in self.table if i.worker_id not in skip)
+        entries = among.entries
         if not entries:
             return None
         home_id, cached = self.home.get(traj_id, (None, 0))
         home = self.table.get(home_id) if home_id is not None and home_id in self.table else None
         if home is not None and (home.worker_id in skip or home.worker_id not in among.entry_ids):
             home = None  # gone, draining, failed this turn, or no entry now (a decode one)
-        if self.engine is not None and not skip:
+        if self.engine is not None:
             engine = self.engine
             wid = route_turn(
                 prompt_tokens,
@@ -192,10 +204,18 @@ class Router:
             body["stop_token_ids"] = list(s.stop_token_ids)
         return body
 
+    def _request_id(self, turn: Turn) -> str:
+        return f"{turn.turn_id or turn.traj_id}-{next(self._ids)}"
+
     async def _send(
-        self, inst: Instance, turn: Turn, body: dict[str, Any], cached: int
+        self,
+        inst: Instance,
+        turn: Turn,
+        body: dict[str, Any],
+        cached: int,
+        rid: str | None = None,
     ) -> dict[str, Any]:
-        rid = f"{turn.turn_id or turn.traj_id}-{next(self._ids)}"
+        rid = rid or self._request_id(turn)
         inst.sent(InFlight(rid, turn.traj_id, len(body["prompt"]), cached))
         try:
             return await self.client(inst).completions(body, request_id=rid)
@@ -203,8 +223,10 @@ class Router:
             inst.returned(rid)
 
     async def generate(self, turn: Turn) -> TurnOutput:
+        """The turn's output; ``TurnFailed`` if it stops making progress (see there)."""
         out = TurnOutput(started_s=time.monotonic())
         skip: set[str] = set()
+        futile = 0
         while True:
             prompt = [*turn.prompt_ids, *out.token_ids]
             left = turn.sampling.max_tokens - len(out.token_ids)
@@ -212,17 +234,26 @@ class Router:
             home_id, cached = self.home.get(turn.traj_id, (None, 0))
             cached = cached if home_id == entry.worker_id else 0
             try:
-                if entry.role is Role.PREFILL:
+                if entry.role is Role.PREFILL and left > 1:
                     got = await self._disaggregated(entry, turn, prompt, left, cached, out)
-                else:
+                else:  # colocated (a prefill instance serves one token as well)
                     resp = await self._send(entry, turn, self._body(turn, prompt, left), cached)
                     got = out.extend(resp["choices"][0], entry.worker_id, entry.weight_version)
                     self.home[turn.traj_id] = (entry.worker_id, len(prompt) + max(0, got - 1))
             except EngineUnreachable:
                 skip.add(entry.worker_id)
-                await asyncio.sleep(0.01)
-                continue
-            if out.finish_reason == "abort" and len(out.token_ids) < turn.sampling.max_tokens:
+                got, out.finish_reason = 0, "abort"
+            if len(out.token_ids) >= turn.sampling.max_tokens and out.finish_reason == "abort":
+                out.finish_reason = "length"  # aborted just as it was done
+            if out.finish_reason == "abort":
+                futile = 0 if got else futile + 1
+                if futile >= MAX_FUTILE_TRIES:
+                    raise TurnFailed(
+                        f"turn {turn.turn_id or turn.traj_id}: no progress in "
+                        f"{futile} tries (instances unreachable or aborting)"
+                    )
+                if futile:
+                    await asyncio.sleep(min(BACKOFF_S[1], BACKOFF_S[0] * 2 ** (futile - 1)))
                 out.continuations += 1
                 continue  # taken off its instance: the rest of the turn goes elsewhere
             out.ended_s = time.monotonic()
@@ -242,30 +273,34 @@ class Router:
         """Prefill on ``prefill``, decode where its KV goes; the tokens added to ``out``."""
         body = self._body(turn, prompt, 1)
         body["kv_transfer_params"] = dict(PREFILL_PARAMS)
-        resp = await self._send(prefill, turn, body, cached)
+        prefill_rid = self._request_id(turn)
+        resp = await self._send(prefill, turn, body, cached, prefill_rid)
         self.home[turn.traj_id] = (prefill.worker_id, len(prompt))
         out.prefilled_by.append(prefill.worker_id)
         params = resp.get("kv_transfer_params")
         choice = resp["choices"][0]
-        if not params or choice.get("finish_reason") != "length" or left == 1:
-            # the prefill's one token ended the turn (a stop, or one token asked), or it
-            # was aborted: that is the turn's output so far
+        if not params or choice.get("finish_reason") != "length":
+            # the prefill's one token ended the turn (a stop), or it was aborted: that is
+            # the turn's output so far
             return out.extend(choice, prefill.worker_id, prefill.weight_version)
-        while True:
-            decode_id = route_decode(self.table.candidates())
-            if decode_id is not None:
-                break
-            await self.table.changed.wait()
+        decode_id = route_decode(self.table.candidates())
+        if decode_id is None:
+            # no decode instance now (a plan is changing the pools): free the KV held for
+            # one and route the turn again
+            with contextlib.suppress(EngineError):
+                await self.client(prefill).abort_requests([prefill_rid])
+            out.finish_reason = "abort"
+            return 0
         decode = self.table.get(decode_id)
         body = self._body(turn, prompt, left)
         body["kv_transfer_params"] = params
         try:
             resp = await self._send(decode, turn, body, len(prompt))
         except EngineError as err:
-            if isinstance(err, EngineUnreachable) or err.status != 400:
+            if err.status != 400 or "kv_transfer_params" not in err.message:
                 raise
-            # the KV could not be pulled (the lease expired, the producer went away):
-            # the next attempt prefills again
+            # the KV could not be pulled (the lease expired, the producer went away or
+            # slept): the next attempt prefills again
             out.finish_reason = "abort"
             return 0
         return out.extend(resp["choices"][0], decode.worker_id, decode.weight_version)
@@ -281,11 +316,21 @@ class Router:
         """Drain ``worker_id`` and abort its requests in flight: each comes back with its
         tokens so far and :meth:`generate` continues it elsewhere. The requests aborted."""
         inst = self.table.drain(worker_id)
-        ids = list(inst.in_flight)
-        if ids:
-            await self.client(inst).abort_requests(ids)
-        await asyncio.wait_for(inst.idle.wait(), timeout_s)
-        return len(ids)
+        aborted: set[str] = set()
+
+        async def abort_until_idle() -> None:
+            # a request still on its way (sent, not yet on the engine) is missed by one
+            # abort: repeat until every request has come back
+            while inst.in_flight:
+                ids = list(inst.in_flight)
+                aborted.update(ids)
+                with contextlib.suppress(EngineError):
+                    await self.client(inst).abort_requests(ids)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(inst.idle.wait(), 0.2)
+
+        await asyncio.wait_for(abort_until_idle(), timeout_s)
+        return len(aborted)
 
     async def scrape(self) -> None:
         """Read every instance's ``/metrics`` once (queue, KV usage, weight version)."""

@@ -155,7 +155,7 @@ def test_init_writes_a_hugging_face_directory(tiny_model_dir: Path) -> None:
     assert weights["model.embed_tokens.weight"].shape == (512, 64)
     assert weights["model.layers.1.self_attn.k_proj.weight"].shape == (2 * 16, 64)
     assert weights["model.layers.0.self_attn.q_norm.weight"].eq(1).all()
-    assert 0.015 < weights["model.layers.0.mlp.up_proj.weight"].std().item() < 0.025
+    assert 0.27 < weights["model.layers.0.mlp.up_proj.weight"].std().item() < 0.33  # DEFAULT_STD
 
 
 def test_transformers_loads_and_generates(tiny_model_dir: Path) -> None:

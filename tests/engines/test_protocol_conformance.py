@@ -119,6 +119,8 @@ def engines(
             "small",
             "--kv-cache-tokens",
             str(SMALL_KV_TOKENS),
+            "--max-model-len",  # a sequence of the longest length fits the cache
+            str(SMALL_KV_TOKENS),
             "--block-size",
             "16",
             "--kv-lease-s",

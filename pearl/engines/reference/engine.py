@@ -135,7 +135,8 @@ class EngineCore:
             with self._wake:
                 while not (self._stop or self._calls or self._inbox or self._can_step()):
                     self._wake.wait(timeout=1.0)
-                    self._expire_leases()
+                    if self._expire_leases():
+                        self._publish()
                 if self._stop:
                     return
                 calls, self._calls = self._calls, []
@@ -149,14 +150,21 @@ class EngineCore:
                 except Exception as err:  # the caller gets it
                     fut.set_exception(err)
             self._expire_leases()
+            stepped = False
             if self._can_step():
                 try:
-                    self._step()
+                    stepped = self._step()
                 except Exception:  # a bug: answer every request, report unhealthy
                     self.error = traceback.format_exc()
                     print(self.error, file=sys.stderr, flush=True)
                     self.abort_all()
             self._publish()
+            if self._can_step() and not stepped:
+                # the queue's head waits for blocks that only a lease's expiry frees:
+                # wait for news instead of spinning
+                with self._wake:
+                    if not (self._stop or self._calls or self._inbox):
+                        self._wake.wait(timeout=0.05)
 
     def _can_step(self) -> bool:
         s = self.scheduler
@@ -166,10 +174,11 @@ class EngineCore:
             and (bool(s.running) or (s.admit and bool(s.waiting)))
         )
 
-    def _step(self) -> None:
+    def _step(self) -> bool:
+        """One step of the scheduled batch; False if nothing could be scheduled."""
         batch = self.scheduler.schedule()
         if not batch:
-            return
+            return False
         now = time.monotonic()
         for seq, _ in batch:
             if seq.first_scheduled_s is None:
@@ -187,6 +196,7 @@ class EngineCore:
         self.steps += 1
         for seq, logits in ready:
             self._sample(seq, logits)
+        return True
 
     def _forward(self, group: list[tuple[Seq, int]]) -> list[tuple[Seq, torch.Tensor]]:
         bs = self.cfg.block_size
@@ -222,7 +232,7 @@ class EngineCore:
     def _hash_blocks(self, seq: Seq) -> None:
         bs = self.cfg.block_size
         full = seq.num_computed // bs
-        if full <= seq.num_hashed_blocks or not self.cfg.prefix_caching:
+        if full <= seq.num_hashed_blocks or not (self.cfg.prefix_caching and seq.cacheable):
             return
         ids = seq.all_ids
         parent = seq.block_hashes[seq.num_hashed_blocks - 1] if seq.num_hashed_blocks else 0
@@ -303,10 +313,13 @@ class EngineCore:
         self.scheduler.remove(seq)
         return event
 
-    def _expire_leases(self) -> None:
+    def _expire_leases(self) -> bool:
+        """Free the KV of prefills whose lease ran out; whether there was any."""
         now = time.monotonic()
-        for rid in [r for r, h in self.held.items() if h.expires_s <= now]:
+        expired = [r for r, h in self.held.items() if h.expires_s <= now]
+        for rid in expired:
             self.blocks.free(self.held.pop(rid).seq.blocks)
+        return bool(expired)
 
     def _publish(self) -> None:
         m, s = self.metrics, self.scheduler
@@ -323,14 +336,19 @@ class EngineCore:
     def abort(self, request_ids: Sequence[str]) -> int:
         """Finish the named sequences with ``abort``; their tokens so far stand."""
         wanted = set(request_ids)
+
+        def named(rid: str) -> bool:
+            return rid in wanted or rid.rsplit("#", 1)[0] in wanted
+
         found = [
-            s
-            for s in [*self.scheduler.running, *self.scheduler.waiting]
-            if s.request_id in wanted or s.request_id.rsplit("#", 1)[0] in wanted
+            s for s in [*self.scheduler.running, *self.scheduler.waiting] if named(s.request_id)
         ]
         for seq in found:
             self._abort(seq)
-        return len(found)
+        held = [rid for rid in self.held if named(rid)]
+        for rid in held:  # a prefill nobody will pull now: its KV is freed at once
+            self.blocks.free(self.held.pop(rid).seq.blocks)
+        return len(found) + len(held)
 
     def _abort(self, seq: Seq) -> None:
         event = TokenEvent((), (), (), (), Finish.ABORT)
@@ -356,7 +374,8 @@ class EngineCore:
 
     def sleep(self, level: int) -> None:
         """Level 1: the KV cache's memory is freed (running requests are aborted, their
-        partial output returned; waiting ones wait for the wake); level 2: the weights'
+        partial output returned; waiting ones wait for the wake; held prefills are
+        dropped, so a decode that comes to pull one gets a 400); level 2: the weights'
         too."""
         for seq in list(self.scheduler.running):
             self._abort(seq)
@@ -380,5 +399,12 @@ class EngineCore:
         blocks hold the old weights' keys and values."""
         self.model.load(tensors, partial=partial)
         self.weight_version = self.weight_version + 1 if version is None else version
-        self.blocks.reset_prefix_cache()
+        self.reset_prefix_cache()
         return self.weight_version
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block. A sequence in flight keeps its blocks, but none it
+        fills from now is cached: their keys attend to the old ones."""
+        self.blocks.reset_prefix_cache()
+        for seq in [*self.scheduler.running, *(h.seq for h in self.held.values())]:
+            seq.cacheable = False

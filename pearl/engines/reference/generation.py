@@ -10,7 +10,7 @@ prefill, the ``kv_transfer_params`` the decode instance needs.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -32,6 +32,7 @@ class Generation:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    on_finish: Callable[[], None] | None = None  # called once the finish is recorded
     _queue: asyncio.Queue[TokenEvent] = field(default_factory=asyncio.Queue)
 
     def emit(self, event: TokenEvent) -> None:
@@ -50,6 +51,8 @@ class Generation:
                 self.finish_reason = event.finish.value
                 self.stop_reason = event.stop_reason
                 self.kv_transfer_params = event.kv_transfer_params
+                if self.on_finish is not None:
+                    self.on_finish()
             yield event
 
     async def finished(self) -> None:

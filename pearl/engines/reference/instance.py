@@ -17,6 +17,7 @@ from fastapi import Request
 from pearl.engines.protocol import ChatCompletionRequest, CompletionRequest
 from pearl.engines.reference.config import load_config
 from pearl.engines.reference.engine import EngineConfig, EngineCore
+from pearl.engines.reference.errors import BadRequestError
 from pearl.engines.reference.metrics import EngineMetrics
 from pearl.engines.reference.model import DTYPES, CausalLM, WeightError
 from pearl.engines.reference.sequence import SamplingParams
@@ -24,9 +25,11 @@ from pearl.engines.reference.tokenizer import Tokenizer
 from pearl.engines.reference.tokenizer import load as load_tokenizer
 from pearl.engines.reference.weights import read_weights
 from pearl.engines.reference.weights_push import WeightPush
+from pearl.io.documents import InputError
 
 T = TypeVar("T")
 VERSION = "pearl-reference-0.1.0"
+MAX_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -48,14 +51,6 @@ class ServeOptions:
     kv_lease_s: float = 30.0
 
 
-class BadRequestError(ValueError):
-    """A request that cannot be served as asked; the route answers 400."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-
-
 class Instance:
     def __init__(self, opts: ServeOptions) -> None:
         if opts.threads:
@@ -68,6 +63,15 @@ class Instance:
         self.model = CausalLM(self.cfg, dtype)
         self.model.load(read_weights(self.model_dir))
         self.max_model_len = opts.max_model_len or self.cfg.max_position_embeddings
+        cache_tokens = (opts.kv_cache_tokens // opts.block_size) * opts.block_size
+        if cache_tokens < self.max_model_len:
+            # as vLLM: one sequence of the longest length must fit, else it could never run
+            raise InputError(
+                "--kv-cache-tokens",
+                "kv_cache_tokens",
+                f"{cache_tokens} tokens cannot hold one sequence of max_model_len "
+                f"{self.max_model_len}; give more, or a smaller --max-model-len",
+            )
         self.served_name = opts.served_model_name or str(self.model_dir)
         self.engine_id = opts.engine_id
         self.kv_host = opts.host
@@ -95,6 +99,8 @@ class Instance:
         )
         self.push = WeightPush(self)
         self.paused = False
+        self.dir_version = 0  # the version given to the model directory's weights when read
+        self.live_ids: set[str] = set()  # request ids with a response in progress
 
     # -- running things on the engine thread ---------------------------------------------
 
@@ -125,8 +131,12 @@ class Instance:
             prompts = [list(p)]  # type: ignore[arg-type]
         elif p and all(isinstance(x, str) for x in p):
             prompts = [self.tokenizer.encode(x) for x in p]  # type: ignore[arg-type]
-        else:
+        elif p and all(isinstance(x, list) for x in p):
             prompts = [list(x) for x in p]  # type: ignore[arg-type]
+        else:
+            raise BadRequestError(
+                "prompt: a text, a list of token ids, or a list of either (not mixed)", "prompt"
+            )
         if not prompts:
             raise BadRequestError("prompt: empty", "prompt")
         for ids in prompts:
@@ -190,10 +200,19 @@ class Instance:
         bad = [t for t in body.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise BadRequestError(f"stop_token_ids: {bad[0]} is out of vocabulary", "stop")
+        if any(not stop for stop in body.stops()):
+            raise BadRequestError("stop: an empty stop string", "stop")
+        kv = body.kv_transfer_params
+        if kv is not None and kv.do_remote_decode:
+            max_tokens = 1  # a prefill for a remote decode samples one token, as vLLM's proxy asks
         if isinstance(body, CompletionRequest):
             logprobs = body.logprobs
         else:
             logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        if logprobs is not None and logprobs > MAX_LOGPROBS:
+            raise BadRequestError(
+                f"logprobs: at most {MAX_LOGPROBS} (vLLM's default max_logprobs)", "logprobs"
+            )
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=body.temperature,
@@ -234,7 +253,7 @@ class Instance:
                 await asyncio.sleep(0.01)
             await self.run(lambda: setattr(core, "paused", True))
         if clear_cache:
-            await self.run(core.blocks.reset_prefix_cache)
+            await self.run(core.reset_prefix_cache)
         self.paused = True
 
     def resume_now(self) -> None:
@@ -248,6 +267,9 @@ class Instance:
         where = Path(path) if path else self.model_dir
         tensors = await asyncio.to_thread(read_weights, where)
         try:
-            return await self.run(lambda: self.core.load_weights(tensors, version))
+            loaded = await self.run(lambda: self.core.load_weights(tensors, version))
         except WeightError as err:
             raise BadRequestError(f"weights in {where}: {err}") from None
+        if where == self.model_dir:
+            self.dir_version = loaded
+        return loaded

@@ -52,19 +52,13 @@ class Scheduler:
         self.blocks.free(seq.blocks)
         seq.blocks = []
 
-    def release_all(self) -> list[Seq]:
-        """Every sequence out, blocks freed (sleep): the running ones, to be aborted."""
-        running = list(self.running)
-        for seq in running:
-            self.remove(seq)
-        return running
-
     def _preempt(self, seq: Seq) -> None:
         self.running.remove(seq)
         self.blocks.free(seq.blocks)
         seq.blocks = []
         seq.num_computed = 0
         seq.num_hashed_blocks = 0
+        seq.cacheable = True  # computed again from scratch, under the weights of then
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1

@@ -73,6 +73,7 @@ class Seq:
     num_computed: int = 0  # tokens whose keys and values are in the cache
     num_hashed_blocks: int = 0
     block_hashes: list[int] = field(default_factory=list)  # of the full blocks, chained
+    cacheable: bool = True  # False once its KV mixes two weight versions (a load mid-run)
     status: Status = Status.WAITING
     generator: torch.Generator | None = None
     first_scheduled_s: float | None = None

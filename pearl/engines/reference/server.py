@@ -23,6 +23,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 from fastapi import FastAPI, Query, Request
@@ -37,14 +38,16 @@ from pearl.engines.protocol import (
     error_body,
     usage,
 )
+from pearl.engines.reference.errors import BadRequestError
 from pearl.engines.reference.generation import (
     Generation,
     chat_logprobs,
     completion_logprobs,
     text_of,
 )
-from pearl.engines.reference.instance import BadRequestError, Instance
+from pearl.engines.reference.instance import Instance
 from pearl.engines.reference.sequence import RemoteKV, SamplingParams, Seq
+from pearl.engines.reference.streaming import deltas
 from pearl.engines.reference.tool_calls import parse_tool_calls
 from pearl.engines.reference.transfer import TransferError, pull
 from pearl.io.documents import InputError
@@ -112,15 +115,20 @@ def build_app(inst: Instance) -> FastAPI:
         rid: str, prompts: list[list[int]], params: SamplingParams, kv: KVTransferParams | None
     ) -> tuple[list[Generation], list[Seq]]:
         loop = asyncio.get_running_loop()
+        if kv is not None and (kv.do_remote_decode or kv.do_remote_prefill) and len(prompts) > 1:
+            raise BadRequestError("kv_transfer_params: one prompt per request", "prompt")
+        if rid in inst.live_ids or rid in inst.core.held:
+            raise BadRequestError(f"X-Request-Id: {rid!r} is already in use", "X-Request-Id")
         gens, seqs = [], []
         for i, prompt in enumerate(prompts):
             remote = await _remote_kv(kv, prompt) if kv is not None else None
-            g = Generation(loop)
+            g = Generation(loop, on_finish=partial(inst.live_ids.discard, rid))
             sid = rid if len(prompts) == 1 else f"{rid}#{i}"
             hold = kv is not None and kv.do_remote_decode
             seq = Seq(sid, prompt, params, g.emit, time.monotonic(), hold_kv=hold, remote=remote)
             gens.append(g)
             seqs.append(seq)
+        inst.live_ids.add(rid)
         for seq in seqs:
             inst.core.submit(seq)
         return gens, seqs
@@ -213,32 +221,25 @@ def build_app(inst: Instance) -> FastAPI:
         seqs: list[Seq],
         want_ids: bool,
     ) -> AsyncIterator[bytes]:
-        sent_text, sent_tokens = "", 0
         as_ids = body.return_tokens_as_token_ids
         try:
-            async for event in g.events():
-                text = text_of(inst.tokenizer, g.token_ids, g.stop_reason)
-                if event.finish is None and text.endswith("\ufffd"):
-                    # a character split across tokens: its text waits for the rest, the
-                    # token ids (logprobs, versions) go now
-                    text = sent_text
+            async for d in deltas(g, inst.tokenizer, body.stops()):
                 choice: dict[str, Any] = {
                     "index": 0,
-                    "text": text[len(sent_text) :],
+                    "text": d.text,
                     "logprobs": (
-                        completion_logprobs(inst.tokenizer, g, sent_tokens, as_ids)
+                        completion_logprobs(inst.tokenizer, g, d.start, as_ids)
                         if body.logprobs is not None
                         else None
                     ),
                     "finish_reason": g.finish_reason,
                     "stop_reason": g.stop_reason,
-                    "weight_versions": g.versions[sent_tokens:],
+                    "weight_versions": g.versions[d.start :],
                 }
                 if want_ids:
-                    choice["token_ids"] = g.token_ids[sent_tokens:]
-                sent_text, sent_tokens = text, len(g.token_ids)
+                    choice["token_ids"] = g.token_ids[d.start :]
                 chunk = {**head, "object": "text_completion", "choices": [choice]}
-                if event.finish is not None:
+                if d.finished:
                     chunk["kv_transfer_params"] = _kv_params(g, seqs[0].request_id)
                 yield _sse(chunk)
             if body.stream_options and body.stream_options.include_usage:
@@ -303,29 +304,27 @@ def build_app(inst: Instance) -> FastAPI:
         head: dict[str, Any], body: ChatCompletionRequest, g: Generation, seqs: list[Seq]
     ) -> AsyncIterator[bytes]:
         obj = "chat.completion.chunk"
+        as_ids = body.return_tokens_as_token_ids
         first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-        yield _sse({**head, "object": obj, "choices": [first]})
-        sent_text, sent_tokens = "", 0
         try:
-            async for event in g.events():
-                text = text_of(inst.tokenizer, g.token_ids, g.stop_reason)
-                if event.finish is None and text.endswith("\ufffd"):
-                    text = sent_text  # the text waits for the rest of the character
+            yield _sse({**head, "object": obj, "choices": [first]})
+            async for d in deltas(g, inst.tokenizer, body.stops()):
                 choice: dict[str, Any] = {
                     "index": 0,
-                    "delta": {"content": text[len(sent_text) :]},
+                    "delta": {"content": d.text},
                     "logprobs": (
-                        chat_logprobs(
-                            inst.tokenizer, g, sent_tokens, body.return_tokens_as_token_ids
-                        )
-                        if body.logprobs
-                        else None
+                        chat_logprobs(inst.tokenizer, g, d.start, as_ids) if body.logprobs else None
                     ),
                     "finish_reason": g.finish_reason,
-                    "weight_versions": g.versions[sent_tokens:],
+                    "stop_reason": g.stop_reason,
+                    "weight_versions": g.versions[d.start :],
                 }
-                sent_text, sent_tokens = text, len(g.token_ids)
-                yield _sse({**head, "object": obj, "choices": [choice]})
+                if body.return_token_ids or as_ids:
+                    choice["token_ids"] = g.token_ids[d.start :]
+                chunk = {**head, "object": obj, "choices": [choice]}
+                if d.finished:
+                    chunk["kv_transfer_params"] = _kv_params(g, seqs[0].request_id)
+                yield _sse(chunk)
             if body.stream_options and body.stream_options.include_usage:
                 u = usage(len(seqs[0].prompt_ids), len(g.token_ids))
                 yield _sse({**head, "object": obj, "choices": [], "usage": u})
@@ -365,7 +364,7 @@ def build_app(inst: Instance) -> FastAPI:
         if unknown:
             raise BadRequestError(f"tags: unknown tag(s) {sorted(unknown)}", "tags")
         if "weights" in wanted and not inst.core.model.loaded:
-            await inst.reload(None, inst.core.weight_version)
+            await inst.reload(None, inst.dir_version)  # the directory's weights, their version
         if "kv_cache" in wanted:
             await inst.run(inst.core.wake_kv)
         return Response(status_code=200)
@@ -401,7 +400,7 @@ def build_app(inst: Instance) -> FastAPI:
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> Response:
-        await inst.run(inst.core.blocks.reset_prefix_cache)
+        await inst.run(inst.core.reset_prefix_cache)
         return Response(status_code=200)
 
     @app.post("/collective_rpc")

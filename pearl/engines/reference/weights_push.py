@@ -14,30 +14,41 @@ under the new weights, their later tokens carrying the new version.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 
 import torch
 from fastapi import FastAPI, Request
 from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 
-from pearl.engines.reference.model import WeightError
+from pearl.engines.reference.engine import EngineCore
+from pearl.engines.reference.errors import BadRequestError
+from pearl.engines.reference.model import CausalLM, WeightError
 
-if TYPE_CHECKING:
-    from pearl.engines.reference.instance import Instance
+T = TypeVar("T")
+
+
+class Host(Protocol):
+    """What the routes need of the serving instance (``instance.Instance``)."""
+
+    model: CausalLM
+    core: EngineCore
+
+    async def run(self, fn: Callable[[], T]) -> T: ...
+    async def json_body(self, request: Request) -> dict[str, Any]: ...
+
 
 BACKENDS = ("http",)
 
 
 class WeightPush:
-    def __init__(self, inst: Instance) -> None:
+    def __init__(self, inst: Host) -> None:
         self.inst = inst
         self.backend: str | None = None
         self.staged: dict[str, torch.Tensor] | None = None
 
     def attach(self, app: FastAPI) -> None:
-        from pearl.engines.reference.instance import BadRequestError
-
         inst = self.inst
 
         @app.post("/init_weight_transfer_engine")
@@ -76,6 +87,8 @@ class WeightPush:
             except (SafetensorError, ValueError) as err:
                 raise BadRequestError(f"the body is not a safetensors file: {err}") from None
             shapes = inst.model.shapes
+            if "lm_head.weight" in tensors and "lm_head.weight" not in shapes:
+                tensors.pop("lm_head.weight")  # a tied model's head is its embedding
             for name, t in tensors.items():
                 if name not in shapes:
                     raise BadRequestError(f"update_weights: unknown weight {name!r}")
