@@ -51,6 +51,14 @@ def read_document(path: str | Path) -> Any:
         raise InputError(p, where, f"malformed YAML: {problem}") from None
 
 
+def read_object(path: str | Path) -> dict[str, Any]:
+    """A JSON or YAML file that must hold one object (a mapping)."""
+    doc = read_document(path)
+    if not isinstance(doc, dict):
+        raise InputError(path, "", "must be a JSON object")
+    return doc
+
+
 def parse(model: type[M], data: Any, path: str | Path, field: str = "") -> M:
     """Validate ``data`` as ``model``; the first problem becomes an ``InputError``."""
     try:

@@ -8,12 +8,11 @@ and Mistral (no sliding window). Anything else, or a field the engine does not i
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pearl.io.documents import InputError
+from pearl.io.documents import InputError, read_object
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -108,7 +107,7 @@ class _Fields:
 def load_config(model_dir: str | Path) -> ModelConfig:
     """Read ``MODEL_DIR/config.json`` (and ``generation_config.json`` when present)."""
     path = Path(model_dir) / CONFIG_FILE
-    f = _Fields(_read_object(path), path)
+    f = _Fields(read_object(path), path)
     architecture = _architecture(f)
     qk_norm, always_biased = _ARCHITECTURES[architecture]
     _check_supported(f)
@@ -126,7 +125,7 @@ def load_config(model_dir: str | Path) -> ModelConfig:
     bos_ids = f.token_ids("bos_token_id")
     generation = Path(model_dir) / GENERATION_CONFIG_FILE
     if generation.is_file():
-        g = _Fields(_read_object(generation), generation)
+        g = _Fields(read_object(generation), generation)
         eos_ids += g.token_ids("eos_token_id")
         bos_ids += g.token_ids("bos_token_id")
     return ModelConfig(
@@ -149,20 +148,6 @@ def load_config(model_dir: str | Path) -> ModelConfig:
         torch_dtype=_dtype(f),
         model_type=f.text("model_type"),
     )
-
-
-def _read_object(path: Path) -> dict[str, Any]:
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise InputError(str(path), "", "no such file") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise InputError(str(path), "", f"cannot read: {err.__class__.__name__}") from None
-    except json.JSONDecodeError as err:
-        raise InputError(str(path), f"line {err.lineno}", f"malformed JSON: {err.msg}") from None
-    if not isinstance(doc, dict):
-        raise InputError(str(path), "", "must be a JSON object")
-    return doc
 
 
 def _architecture(f: _Fields) -> str:

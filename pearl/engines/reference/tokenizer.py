@@ -19,7 +19,7 @@ import jinja2.parser
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from pearl.io.documents import InputError
+from pearl.io.documents import InputError, read_object
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -123,27 +123,13 @@ def load(model_dir: str | Path) -> Tokenizer:
     except Exception as err:  # the library raises plain Exceptions
         raise InputError(str(path), "", f"not a tokenizers file ({err})") from None
     config_path = folder / TOKENIZER_CONFIG_FILE
-    config = _read_object(config_path)
+    config = read_object(config_path)
     template_path = folder / CHAT_TEMPLATE_FILE
     if template_path.is_file():
         template: str | None = template_path.read_text(encoding="utf-8")
     else:
         template = _template_of(config.get("chat_template"), config_path)
     return Tokenizer(backend, config, template, source=str(config_path))
-
-
-def _read_object(path: Path) -> dict[str, Any]:
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise InputError(str(path), "", "no such file") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise InputError(str(path), "", f"cannot read: {err.__class__.__name__}") from None
-    except json.JSONDecodeError as err:
-        raise InputError(str(path), f"line {err.lineno}", f"malformed JSON: {err.msg}") from None
-    if not isinstance(doc, dict):
-        raise InputError(str(path), "", "must be a JSON object")
-    return doc
 
 
 def _template_of(value: Any, path: Path) -> str | None:
