@@ -42,7 +42,10 @@ class RolloutRules:
     batch_trajectories: int  # B, a multiple of group_size
     max_staleness_versions: int  # η: consumed at most this many versions after admission
     group_size: int = 1  # samples per prompt (a GRPO group)
-    max_in_flight: int | None = None  # running trajectories at most (None: unbounded)
+    # running trajectories at most (None: unbounded), as admission goes: a finished
+    # trajectory that an update starts again (past the bound) runs again unadmitted and may
+    # take running past it for a while; no group is admitted until running is below it
+    max_in_flight: int | None = None
     batching: Batching = Batching.FIRST_COMPLETED
     past_bound: PastBound = PastBound.INTERRUPT
     initial_version: int = 0

@@ -23,6 +23,7 @@ class LedgerRun(RuleBasedStateMachine):
         self.next_id = 0
         self.batches: list[ConsumedBatch] = []
         self.consumed: set[str] = set()
+        self.taken_back = 0  # finished trajectories started again by updates
         self.engine_version = 0
         self.stragglers = False
 
@@ -125,6 +126,7 @@ class LedgerRun(RuleBasedStateMachine):
         # an update follows a batch; the engines load the new weights at its end
         version = self.ledger.version + 1
         outcome = self.ledger.updated(self.now_s, version)
+        self.taken_back += outcome.taken_back
         self.engine_version = version
         for traj_id in outcome.interrupted:
             assert self.ledger.trajectories[traj_id].head_version == version
@@ -159,7 +161,10 @@ class LedgerRun(RuleBasedStateMachine):
         r = self.ledger.rules
         led = self.ledger
         if r.max_in_flight is not None:
-            assert led.num_running <= r.max_in_flight
+            # a finished trajectory that an update starts again runs again without being
+            # admitted: only those may take running past the cap (no group is admitted
+            # while it is reached)
+            assert led.num_running <= r.max_in_flight + self.taken_back
         if led.totals.dropped == 0 and led.totals.restarted == 0:
             updates = led.version - r.initial_version
             limit = (r.max_staleness_versions + updates + 1) * r.batch_trajectories
