@@ -111,12 +111,19 @@ def build_front(router: Router, tokenizer: Tokenizer, model_name: str) -> FastAP
         )
         return out
 
-    def _head(kind: str) -> dict[str, Any]:
-        return {
-            "id": f"{kind}-{uuid.uuid4().hex}",
-            "created": int(time.time()),
-            "model": model_name,
-        }
+    def _answer(
+        kind: str, obj: str, choice: dict[str, Any], prompt: list[int], out: TurnOutput
+    ) -> JSONResponse:
+        return JSONResponse(
+            {
+                "id": f"{kind}-{uuid.uuid4().hex}",
+                "created": int(time.time()),
+                "model": model_name,
+                "object": obj,
+                "choices": [choice],
+                "usage": usage(len(prompt), len(out.token_ids)),
+            }
+        )
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> JSONResponse:
@@ -138,14 +145,7 @@ def build_front(router: Router, tokenizer: Tokenizer, model_name: str) -> FastAP
             "token_ids": out.token_ids,
             "weight_versions": out.versions,
         }
-        return JSONResponse(
-            {
-                **_head("cmpl"),
-                "object": "text_completion",
-                "choices": [choice],
-                "usage": usage(len(prompt), len(out.token_ids)),
-            }
-        )
+        return _answer("cmpl", "text_completion", choice, prompt, out)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> JSONResponse:
@@ -171,29 +171,21 @@ def build_front(router: Router, tokenizer: Tokenizer, model_name: str) -> FastAP
             "token_ids": out.token_ids,
             "weight_versions": out.versions,
         }
-        return JSONResponse(
-            {
-                **_head("chatcmpl"),
-                "object": "chat.completion",
-                "choices": [choice],
-                "usage": usage(len(prompt), len(out.token_ids)),
-            }
-        )
+        return _answer("chatcmpl", "chat.completion", choice, prompt, out)
+
+    def _record(session_id: str, s: Session | None) -> JSONResponse:
+        if s is None:
+            return JSONResponse(error_body(f"no session {session_id!r}", status=404), 404)
+        return JSONResponse({"session_id": s.session_id, "turns": [asdict(t) for t in s.turns]})
 
     @app.get("/sessions/{session_id}")
     async def get_session(session_id: str) -> JSONResponse:
-        s = sessions.get(session_id)
-        if s is None:
-            return JSONResponse(error_body(f"no session {session_id!r}", status=404), 404)
-        return JSONResponse({"session_id": s.session_id, "turns": [asdict(t) for t in s.turns]})
+        return _record(session_id, sessions.get(session_id))
 
     @app.delete("/sessions/{session_id}")
     async def end_session(session_id: str) -> JSONResponse:
-        s = sessions.pop(session_id, None)
         router.forget(session_id)
-        if s is None:
-            return JSONResponse(error_body(f"no session {session_id!r}", status=404), 404)
-        return JSONResponse({"session_id": s.session_id, "turns": [asdict(t) for t in s.turns]})
+        return _record(session_id, sessions.pop(session_id, None))
 
     @app.get("/health")
     async def health() -> JSONResponse:
