@@ -52,6 +52,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     en.add_argument("--json", action="store_true", help="print only the JSON object")
     en.set_defaults(run=_run_engine)
+    ro = which.add_parser("router", help="router overhead per turn, and a P:D change under load")
+    ro.add_argument("--turns", type=int, default=200, help="turns timed each way")
+    ro.add_argument("--trajectories", type=int, default=8, help="load during the P:D change")
+    ro.add_argument("--phase-s", type=float, default=3.0, help="seconds of each phase")
+    ro.add_argument("--json", action="store_true", help="print only the JSON object")
+    ro.set_defaults(run=_run_router)
 
 
 def _run_decide(args: argparse.Namespace) -> int:
@@ -134,3 +140,15 @@ def _run_engine(args: argparse.Namespace) -> int:
         max(0.0, args.settle_s),
     )
     return _print(result, args.json)
+
+
+def _run_router(args: argparse.Namespace) -> int:
+    if args.turns < 10 or args.trajectories < 1 or args.phase_s <= 0:
+        raise InputError(
+            "<command line>", "--turns/--trajectories/--phase-s", "need >= 10, >= 1 and > 0"
+        )
+    for module in ("torch", "fastapi", "uvicorn"):
+        require(module)
+    from pearl.bench.router import bench_router
+
+    return _print(bench_router(args.turns, 4, args.trajectories, args.phase_s), args.json)
