@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import os
 import statistics
 import tempfile
@@ -29,8 +30,6 @@ from pearl.bench.engine_proc import EngineProcess, free_port, random_prompts
 from pearl.core.roles import Role
 from pearl.engines.client import EngineClient
 from pearl.router.router import Router, Sampling, Turn
-
-MODEL = {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "vocab": 512, "seed": 0}
 
 
 def _quantile(xs: list[float], q: float) -> float:
@@ -171,16 +170,13 @@ def bench_router(
     from pearl.engines.reference.tiny import init_model
 
     with tempfile.TemporaryDirectory(prefix="pearl-bench-router-") as tmp:
-        m = MODEL
-        model = init_model(
-            Path(tmp) / "model",
-            layers=m["layers"],
-            hidden=m["hidden"],
-            heads=m["heads"],
-            kv_heads=m["kv_heads"],
-            vocab=m["vocab"],
-            seed=m["seed"],
-        )
+        model = init_model(Path(tmp) / "model")  # pearl model init's defaults
+        c = json.loads((model / "config.json").read_text())
+        written = {
+            k: c[k]
+            for k in ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size")
+        }
+        vocab = int(c["vocab_size"])
         engines = [  # each with a KV side channel: either may be the prefill instance
             EngineProcess(model, kv_port=free_port(), engine_id=f"e{i}", threads=1, log_dir=tmp)
             for i in range(2)
@@ -192,13 +188,13 @@ def bench_router(
             for e in engines:
                 e.wait_healthy()
             urls = [e.url for e in engines]
-            overhead = asyncio.run(_overhead(urls, turns, max_tokens, int(MODEL["vocab"])))
-            change = asyncio.run(_pd_change(urls, trajectories, phase_s, int(MODEL["vocab"])))
+            overhead = asyncio.run(_overhead(urls, turns, max_tokens, vocab))
+            change = asyncio.run(_pd_change(urls, trajectories, phase_s, vocab))
         finally:
             for e in engines:
                 e.stop()
     return {
-        "model": MODEL,
+        "model": written,
         "cpu_count": os.cpu_count(),
         "load_avg_1m": {"before": load_before, "after": os.getloadavg()[0]},
         "overhead": overhead,
