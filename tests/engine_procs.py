@@ -1,61 +1,51 @@
-"""Reference-engine server processes for the protocol tests: started as ``pearl engine
-serve`` subprocesses on free local ports, waited on (``/health``), stopped (SIGTERM, then
-kill); each writes its output to a log file that a failing test can print."""
+"""Reference-engine server processes for the engine, router and agent tests: started as
+``pearl engine serve`` subprocesses on free local ports by ``pearl.bench.engine_proc``
+(the benchmarks' launcher), waited on together (``/health``), stopped (SIGTERM, then kill);
+each writes its output to a log file that a failing test can print. An ``EngineProc``
+without a process names an engine already running elsewhere (``--engine-url``)."""
 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
-
-from pearl.control.workers import free_ports
+from pearl.bench.engine_proc import EngineProcess
+from pearl.control.workers import free_port
 
 START_TIMEOUT_S = 60.0
 
 
 @dataclass
 class EngineProc:
-    """One engine: its URL, and when this process started it, its pid and log."""
+    """One engine: its URL, and when this process started it, its process."""
 
     url: str
     name: str
     kv_port: int | None = None
     model_dir: Path | None = None
-    proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
-    log: Path | None = None
+    process: EngineProcess | None = field(default=None, repr=False)
 
     @property
     def pid(self) -> int | None:
-        return None if self.proc is None else self.proc.pid
+        proc = self.process.proc if self.process is not None else None
+        return None if proc is None else proc.pid
 
     @property
     def local(self) -> bool:
         """Started here (the reference engine): its pid and ``pearl:`` metrics are ours."""
-        return self.proc is not None
+        return self.process is not None
 
-    def log_tail(self, lines: int = 60) -> str:
-        if self.log is None or not self.log.exists():
+    def log_tail(self) -> str:
+        if self.process is None:
             return ""
-        text = self.log.read_text(errors="replace").splitlines()[-lines:]
-        return f"--- last lines of {self.log} ({self.name})\n" + "\n".join(text)
+        return f"--- {self.process.log_path} ({self.name})\n{self.process.log_tail()}"
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
+        if self.process is not None:
+            self.process.stop()
 
 
 def start_engine(
@@ -64,54 +54,21 @@ def start_engine(
     """Start ``pearl engine serve`` for ``model_dir`` (engine id ``name``, a KV side
     channel) with the extra command-line ``args``; it is not waited on (see
     :func:`wait_healthy`)."""
-    port, kv_port = free_ports(2)
-    log = log_dir / f"engine-{name}.log"
-    argv = [
-        sys.executable,
-        "-m",
-        "pearl.cli.main",
-        "engine",
-        "serve",
-        "--model",
-        str(model_dir),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--kv-port",
-        str(kv_port),
-        "--engine-id",
-        name,
-        "--threads",
-        str(threads),
-        *args,
-    ]
-    with log.open("wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
-    return EngineProc(f"http://127.0.0.1:{port}", name, kv_port, model_dir, proc, log)
+    kv_port = free_port()
+    process = EngineProcess(
+        model_dir, kv_port=kv_port, engine_id=name, threads=threads, extra=args, log_dir=log_dir
+    ).start()
+    return EngineProc(process.url, name, kv_port, model_dir, process)
 
 
 def wait_healthy(engines: list[EngineProc], timeout_s: float = START_TIMEOUT_S) -> None:
-    """Until every engine answers ``/health`` with 200; RuntimeError (with the log's tail)
-    if one exits or the time runs out."""
+    """Until every engine started here answers ``/health``; RuntimeError (with its log's
+    tail) if one exits or the time runs out. They start side by side: each wait takes
+    what is left of the one deadline."""
     deadline = time.monotonic() + timeout_s
-    pending = list(engines)
-    while pending:
-        for e in list(pending):
-            if e.proc is not None and e.proc.poll() is not None:
-                raise RuntimeError(f"engine {e.name} exited ({e.proc.returncode})\n{e.log_tail()}")
-            try:
-                if httpx.get(f"{e.url}/health", timeout=1.0).status_code == 200:
-                    pending.remove(e)
-            except httpx.TransportError:
-                pass
-        if pending and time.monotonic() > deadline:
-            raise RuntimeError(
-                f"engines {[e.name for e in pending]} not healthy after {timeout_s:.0f} s\n"
-                + "\n".join(e.log_tail() for e in pending)
-            )
-        if pending:
-            time.sleep(0.1)
+    for e in engines:
+        if e.process is not None:
+            e.process.wait_healthy(max(0.1, deadline - time.monotonic()))
 
 
 def rss_bytes(pid: int) -> int:

@@ -35,7 +35,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pearl.bench.engine_proc import EngineProcess, free_port, random_prompts
+from pearl.bench.engine_proc import EngineProcess, random_prompts
+from pearl.control.workers import free_port
 from pearl.engines.client import EngineClient
 
 DEFAULT_MODEL: dict[str, int] = {

@@ -11,7 +11,6 @@ import contextlib
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,14 +20,9 @@ from types import TracebackType
 
 import httpx
 
+from pearl.control.workers import free_port
+
 START_TIMEOUT_S = 180.0
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (the kernel's pick)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def random_prompts(count: int, tokens: int, vocab: int, seed: int) -> list[list[int]]:

@@ -26,7 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pearl.bench.engine_proc import EngineProcess, free_port, random_prompts
+from pearl.bench.engine_proc import EngineProcess, random_prompts
+from pearl.control.workers import free_port
 from pearl.core.roles import Role
 from pearl.engines.client import EngineClient
 from pearl.router.router import Router, Sampling, Turn
