@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from pearl.engines.reference.tokenizer import Tokenizer
 from pearl.envs.protocol import Environment
 from pearl.envs.robust import safe_reset, safe_step
-from pearl.router.router import Router, Sampling, Turn, TurnFailed
+from pearl.router.router import Router, Sampling, Turn, TurnFailed, TurnOutput
 
 NOT_GENERATED = -1  # the version of a token the model did not generate
 
@@ -53,6 +53,8 @@ class TurnRecord:
     env_s: float  # the environment's step after it
     served_by: tuple[str, ...]
     finish_reason: str | None
+    prefilled_by: tuple[str, ...] = ()
+    continuations: int = 0
 
 
 @dataclass
@@ -85,6 +87,23 @@ class Trajectory:
         return sum(self.loss_mask)
 
 
+class EpisodeHooks(Protocol):
+    """What the rollout manager hears of an episode while it runs (all optional to act on;
+    each is called from the episode's task, between its awaits)."""
+
+    def turn_sent(self, traj_id: str, turn: int, context_tokens: int) -> None:
+        """Turn ``turn``'s request goes out with ``context_tokens`` of prompt."""
+
+    def model_turn_ended(self, traj_id: str, turn: int, out: TurnOutput) -> None:
+        """The model's output of the turn is complete; its tool step runs next."""
+
+    def env_step_ended(
+        self, traj_id: str, record: TurnRecord, observation_tokens: int | None
+    ) -> None:
+        """The turn's environment step ended: ``observation_tokens`` were appended, or
+        (None) the step ended the episode."""
+
+
 def first_prompt(tok: Tokenizer, env: Environment, observation: str) -> list[int]:
     messages: list[dict[str, Any]] = []
     if env.system_prompt:
@@ -111,6 +130,7 @@ async def run_episode(
     sampling: Sampling,
     limits: Limits = Limits(),
     seed: int | None = None,
+    hooks: EpisodeHooks | None = None,
 ) -> Trajectory:
     traj = Trajectory(traj_id)
     start = await safe_reset(
@@ -134,8 +154,12 @@ async def run_episode(
                 break
             turn_id = f"{traj_id}-t{len(traj.turns)}"
             prompt_tokens = len(traj.token_ids)
+            if hooks:
+                hooks.turn_sent(traj_id, len(traj.turns), prompt_tokens)
             out = await router.generate(Turn(traj_id, tuple(traj.token_ids), sampling, turn_id))
             traj.append(out.token_ids, generated=True, logprobs=out.logprobs, versions=out.versions)
+            if hooks:
+                hooks.model_turn_ended(traj_id, len(traj.turns), out)
             t_env = time.monotonic()
             step = await safe_step(
                 env,
@@ -144,25 +168,31 @@ async def run_episode(
                 max_observation_chars=limits.max_observation_chars,
             )
             env_s = time.monotonic() - t_env
-            traj.turns.append(
-                TurnRecord(
-                    prompt_tokens,
-                    len(out.token_ids),
-                    out.started_s,
-                    out.ended_s,
-                    env_s,
-                    tuple(out.served_by),
-                    out.finish_reason,
-                )
+            record = TurnRecord(
+                prompt_tokens,
+                len(out.token_ids),
+                out.started_s,
+                out.ended_s,
+                env_s,
+                tuple(out.served_by),
+                out.finish_reason,
+                tuple(out.prefilled_by),
+                out.continuations,
             )
+            traj.turns.append(record)
             traj.info.update(step.info)
             if step.done:
                 traj.reward = step.reward
                 default = "terminated" if step.terminated else "truncated"
                 traj.end_reason = str(step.info.get("end_reason", default))
+                if hooks:
+                    hooks.env_step_ended(traj_id, record, None)
                 break
             ended = bool(out.token_ids) and out.token_ids[-1] == tok.eos_token_id
-            traj.append(observation_tokens(tok, step.observation, ended), generated=False)
+            obs = observation_tokens(tok, step.observation, ended)
+            traj.append(obs, generated=False)
+            if hooks:
+                hooks.env_step_ended(traj_id, record, len(obs))
     except TurnFailed as err:
         traj.end_reason = "turn_failed"
         traj.info["error"] = str(err)

@@ -9,13 +9,13 @@ the loop writes to ``run_dir/agents.json`` every tick.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pearl.coordinator.reconcile import AgentEvent
 from pearl.core.execution import PlanOutcome, StepOutcome
 from pearl.core.plan import TransitionPlan
+from pearl.io.atomic import write_text_atomic
 
 if TYPE_CHECKING:
     from pearl.control.coordinator_side import ControlServer
@@ -82,6 +82,4 @@ class MpiControl:
 
 def write_agents(path: Path, agents: list[dict[str, Any]]) -> None:
     """Atomically replace ``path`` with the agents' list (readers never see half)."""
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(agents) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(agents) + "\n")

@@ -28,6 +28,7 @@ from pearl.cluster.slurm_backend import SlurmBackend
 from pearl.coordinator.config import CoordinatorConfig, load_config
 from pearl.coordinator.control_plane import MpiControl
 from pearl.coordinator.loop import Coordinator, workload_file
+from pearl.io.atomic import write_text_atomic
 from pearl.io.documents import InputError, load_profile
 from pearl.io.extras import require
 
@@ -42,10 +43,7 @@ def run_start_s(run_dir: Path) -> float:
     ids = doc.setdefault("slurm_job_ids", [])
     if job_id and job_id not in ids:
         ids.append(job_id)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(doc) + "\n", encoding="utf-8")
-    os.replace(tmp, path)  # atomic: a reader sees the old or the new document
+    write_text_atomic(path, json.dumps(doc) + "\n")
     return float(doc["started_at_unix_s"])
 
 

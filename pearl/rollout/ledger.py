@@ -13,6 +13,8 @@ finished (every turn done, not consumed), consumed, dropped. Moves:
 
     admit -> QUEUED -> sent -> GENERATING -> turn_ended -> IN_ENV -> sent -> GENERATING ...
                                                         -> FINISHED -> take_batch -> CONSUMED
+    finish: any running state -> FINISHED (a real environment ends an episode after its step)
+    lost: any running state -> QUEUED, from its prompt (the world lost it: a restart)
     updated: past the bound -> interrupt (h := v'), restart (-> QUEUED, h := v'), drop (-> DROPPED)
     (a finished one past the bound has nothing to continue: interrupt restarts it)
 
@@ -204,6 +206,13 @@ class RolloutLedger:
         if not last:
             rec.state = TrajState.IN_ENV
             return
+        self.finish(traj_id, now_s)
+
+    def finish(self, traj_id: str, now_s: float) -> None:
+        """It finished from whatever running state it is in: its last turn's output is
+        complete, or (a real environment decides after its tool step) the step ended the
+        episode, or the episode ended before a turn (a limit, a failed reset)."""
+        rec = self._in(traj_id, *RUNNING)
         rec.state = TrajState.FINISHED
         rec.finished_s = now_s
         self.num_running -= 1
@@ -331,6 +340,15 @@ class RolloutLedger:
         return PastBoundOutcome(
             version, tuple(interrupted), tuple(restarted), tuple(dropped), wasted, taken_back
         )
+
+    def lost(self, traj_id: str) -> int:
+        """The world lost a running trajectory's state (the rollout manager restarted): it
+        starts again from its prompt under the current version; the tokens it wasted."""
+        rec = self._in(traj_id, *RUNNING)
+        wasted = self._restart(rec, self.version)
+        self.totals.restarted += 1
+        self.totals.wasted_tokens += wasted
+        return wasted
 
     def _restart(self, rec: TrajRecord, version: int) -> int:
         """Back to the queue, from its prompt, under ``version``; the tokens it wasted."""

@@ -23,12 +23,16 @@ from typing import Literal
 
 from pearl.core.decision import BorrowKind, Decision
 from pearl.core.state import AllocationKind, ClusterState, Worker
+from pearl.rollout.ledger import ConsumedBatch, PastBoundOutcome
+from pearl.rollout.rules import PastBound
 from pearl.runlog.schema import (
     AllocationChanged,
+    BatchConsumed,
     BorrowChanged,
     DecisionMade,
     GpuAdded,
     GpuRemoved,
+    PastBoundApplied,
     Record,
     WorkerPhase,
 )
@@ -43,6 +47,34 @@ _LOGGED_BORROWS: dict[BorrowKind, Literal["lend", "return", "force_return"]] = {
 
 def _finite(x: float) -> float | None:
     return x if math.isfinite(x) else None
+
+
+def batch_consumed_record(now_s: float, batch: ConsumedBatch) -> BatchConsumed:
+    """The trainer took ``batch`` (the simulator's trainer, or the rollout manager's)."""
+    return BatchConsumed.model_construct(
+        t=now_s,
+        batch_id=batch.batch_id,
+        policy_version=batch.version,
+        trajectories=len(batch.traj_ids),
+        output_tokens=batch.tokens,
+        off_policy_tokens=batch.off_policy_tokens,
+        max_staleness_versions=batch.max_staleness_versions,
+        mean_staleness_versions=batch.mean_staleness_versions,
+    )
+
+
+def past_bound_record(now_s: float, outcome: PastBoundOutcome, mode: PastBound) -> PastBoundApplied:
+    """What an update's past-bound rule did (logged when it did anything)."""
+    return PastBoundApplied.model_construct(
+        t=now_s,
+        policy_version=outcome.version,
+        mode=mode.value,
+        interrupted=len(outcome.interrupted),
+        restarted=len(outcome.restarted),
+        dropped=len(outcome.dropped),
+        wasted_tokens=outcome.wasted_tokens,
+        taken_back=outcome.taken_back,
+    )
 
 
 def decision_record(now_s: float, policy: str, d: Decision) -> DecisionMade:

@@ -52,12 +52,16 @@ from pearl.core.profile import RuntimeProfile
 from pearl.core.roles import GpuSource
 from pearl.core.state import ClusterState
 from pearl.core.workload import TrajPhase
-from pearl.runlog.records import BorrowRecords, decision_record, state_records
+from pearl.runlog.records import (
+    BorrowRecords,
+    batch_consumed_record,
+    decision_record,
+    past_bound_record,
+    state_records,
+)
 from pearl.runlog.schema import (
     BatchCompleted,
-    BatchConsumed,
     BorrowChanged,
-    PastBoundApplied,
     Record,
     RunEnded,
     RunStarted,
@@ -429,18 +433,7 @@ class Simulation:
         self.training = True
         self.train_started_s = now_s
         batch = self.rollout.take_batch(now_s)
-        self.log(
-            BatchConsumed.model_construct(
-                t=now_s,
-                batch_id=batch.batch_id,
-                policy_version=batch.version,
-                trajectories=len(batch.traj_ids),
-                output_tokens=batch.tokens,
-                off_policy_tokens=batch.off_policy_tokens,
-                max_staleness_versions=batch.max_staleness_versions,
-                mean_staleness_versions=batch.mean_staleness_versions,
-            )
-        )
+        self.log(batch_consumed_record(now_s, batch))
         self.staleness.append(batch.max_staleness_versions)
         out: Follow = [
             (now_s + self.train_step_s, TrainDone(now_s, waited_s)),
@@ -497,18 +490,7 @@ class Simulation:
         outcome, stale = self.rollout.updated(now_s, self.version)
         if outcome.empty:
             return []
-        self.log(
-            PastBoundApplied.model_construct(
-                t=now_s,
-                policy_version=outcome.version,
-                mode=self.rollout.rules.past_bound.value,
-                interrupted=len(outcome.interrupted),
-                restarted=len(outcome.restarted),
-                dropped=len(outcome.dropped),
-                wasted_tokens=outcome.wasted_tokens,
-                taken_back=outcome.taken_back,
-            )
-        )
+        self.log(past_bound_record(now_s, outcome, self.rollout.rules.past_bound))
         gone = set(stale)
         for inst in self.fleet.instances.values():
             for request_id in inst.engine.request_ids() & gone:

@@ -93,6 +93,28 @@ class LedgerRun(RuleBasedStateMachine):
         if running:
             self._advance(data.draw(st.sampled_from(running)), tokens, last)
 
+    @rule(data=st.data())
+    def env_ends_one(self, data: st.DataObject) -> None:
+        """A real environment ends an episode after its tool step (or before a turn)."""
+        waiting = self._running(TrajState.IN_ENV, TrajState.QUEUED)
+        if waiting:
+            self.now_s += 1.0
+            self.ledger.finish(data.draw(st.sampled_from(waiting)), self.now_s)
+
+    @rule(data=st.data())
+    def lose_one(self, data: st.DataObject) -> None:
+        """The world lost a running trajectory (a restart of the rollout manager)."""
+        running = self._running(*RUNNING)
+        if running:
+            traj_id = data.draw(st.sampled_from(running))
+            tokens = self.ledger.trajectories[traj_id].tokens
+            before = self.ledger.totals.wasted_tokens
+            assert self.ledger.lost(traj_id) == tokens
+            rec = self.ledger.trajectories[traj_id]
+            assert rec.state is TrajState.QUEUED and rec.tokens == 0
+            assert rec.head_version == self.ledger.version
+            assert self.ledger.totals.wasted_tokens == before + tokens
+
     @rule(lasts=st.lists(st.booleans(), min_size=1, max_size=8))
     def advance_all(self, lasts: list[bool]) -> None:
         """A tick: admit what capacity allows, then every running trajectory moves once
@@ -165,7 +187,7 @@ class LedgerRun(RuleBasedStateMachine):
             # admitted: only those may take running past the cap (no group is admitted
             # while it is reached)
             assert led.num_running <= r.max_in_flight + self.taken_back
-        if led.totals.dropped == 0 and led.totals.restarted == 0:
+        if led.totals.dropped == 0 and led.totals.restarted == 0:  # (lost ones restart)
             updates = led.version - r.initial_version
             limit = (r.max_staleness_versions + updates + 1) * r.batch_trajectories
             assert led.num_accepted + led.num_running <= limit

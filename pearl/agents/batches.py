@@ -1,0 +1,148 @@
+"""What the rollout manager hands the trainer, and the queue it goes through.
+
+A :class:`RolloutBatch` is what the ledger's ``take_batch`` chose — whole GRPO groups, every
+trajectory finished — with each trajectory's tokens, loss mask, logprobs, versions and
+reward (``pearl.agents.loop.Trajectory``), in group order.
+
+The queue (``docs/agents.md``, "The batch queue"):
+
+- **in-process** (the local run): ``await manager.next_batch()`` waits until the next
+  batch is complete, takes it, and returns it; ``await manager.updated(version)`` after
+  the update's weights are on the engines;
+- **across processes**: a spool directory (``RUN_DIR/rollout/batches``) of files, the
+  same two calls as requests: the trainer writes ``want-NNNNNN`` (the batch it waits for),
+  the manager takes that batch and writes ``batch-NNNNNN.json``; the trainer writes
+  ``updated-NNNNNN`` (the version its update made) and the manager applies it. Every file
+  is written whole (a temporary name, then a rename) and stays: the spool is also the
+  record of what was handed over. :class:`SpoolClient` is the trainer's side.
+
+Every batch the manager takes is written to the spool, in-process runs included, before
+the take is journaled: a manager that dies between the two takes the same batch again
+when it resumes (the journal replays to the same books) and writes the same file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import TypeAdapter, ValidationError
+
+from pearl.agents.loop import Trajectory
+from pearl.io.atomic import write_text_atomic
+
+BATCH_FILE = "batch-{:06d}.json"
+WANT_FILE = "want-{:06d}"
+UPDATED_FILE = "updated-{:06d}"
+_REQUEST = re.compile(r"^(want|updated)-(\d{6})$")
+
+
+@dataclass(frozen=True)
+class RolloutBatch:
+    batch_id: int
+    policy_version: int  # the weights the update trains (staleness counts from here)
+    trajectories: tuple[Trajectory, ...]  # whole groups, in order
+    group_ids: tuple[int, ...]  # the group of each trajectory
+    off_policy_tokens: int
+    max_staleness_versions: int
+    mean_staleness_versions: float
+
+    def __post_init__(self) -> None:
+        if len(self.group_ids) != len(self.trajectories):
+            raise ValueError("group_ids: one per trajectory")
+        for t in self.trajectories:
+            n = len(t.token_ids)
+            if not len(t.loss_mask) == len(t.logprobs) == len(t.versions) == n:
+                raise ValueError(
+                    f"trajectory {t.traj_id}: token_ids, loss_mask, logprobs and versions "
+                    "differ in length"
+                )
+
+    @property
+    def groups(self) -> dict[int, list[Trajectory]]:
+        out: dict[int, list[Trajectory]] = {}
+        for g, t in zip(self.group_ids, self.trajectories, strict=True):
+            out.setdefault(g, []).append(t)
+        return out
+
+
+_BATCH = TypeAdapter(RolloutBatch)
+_TRAJECTORY = TypeAdapter(Trajectory)
+
+
+def trajectory_doc(traj: Trajectory) -> dict[str, Any]:
+    return _TRAJECTORY.dump_python(traj, mode="json")  # type: ignore[no-any-return]
+
+
+def trajectory_of(doc: object, where: str) -> Trajectory:
+    try:
+        return _TRAJECTORY.validate_python(doc)
+    except ValidationError as err:
+        raise ValueError(f"{where}: {_first(err)}") from None
+
+
+def batch_text(batch: RolloutBatch) -> str:
+    return _BATCH.dump_json(batch).decode() + "\n"
+
+
+def batch_of(text: str, where: str) -> RolloutBatch:
+    try:
+        return _BATCH.validate_json(text)
+    except ValidationError as err:
+        raise ValueError(f"{where}: {_first(err)}") from None
+
+
+def _first(err: ValidationError) -> str:
+    e = err.errors()[0]
+    field = ".".join(str(p) for p in e["loc"]) or "(document)"
+    return f"field '{field}': {e['msg']}"
+
+
+class Spool:
+    """The manager's side of the spool directory."""
+
+    def __init__(self, directory: Path) -> None:
+        self.dir = directory
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    def write(self, batch: RolloutBatch) -> Path:
+        path = self.dir / BATCH_FILE.format(batch.batch_id)
+        write_text_atomic(path, batch_text(batch))
+        return path
+
+    def requests(self) -> list[tuple[str, int]]:
+        """``("want", batch_id)`` and ``("updated", version)`` files, in number order."""
+        found = []
+        for p in self.dir.iterdir():
+            m = _REQUEST.match(p.name)
+            if m:
+                found.append((m.group(1), int(m.group(2))))
+        return sorted(found, key=lambda r: (r[1], r[0] == "want"))
+
+
+class SpoolClient:
+    """The trainer's side, in another process: ask for batches, report updates."""
+
+    def __init__(self, directory: Path) -> None:
+        self.dir = directory
+
+    def _touch(self, name: str) -> None:
+        write_text_atomic(self.dir / name, "")
+
+    async def batch(self, batch_id: int, timeout_s: float, poll_s: float = 0.05) -> RolloutBatch:
+        path = self.dir / BATCH_FILE.format(batch_id)
+        if not path.exists():
+            self._touch(WANT_FILE.format(batch_id))
+        deadline = time.monotonic() + timeout_s
+        while not path.exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{path}: no batch {batch_id} after {timeout_s:.0f} s")
+            await asyncio.sleep(poll_s)
+        return batch_of(path.read_text(encoding="utf-8"), str(path))
+
+    def updated(self, version: int) -> None:
+        self._touch(UPDATED_FILE.format(version))

@@ -1,0 +1,500 @@
+"""The rollout manager: runs the rollout ledger (``pearl.rollout``) over real episodes.
+
+It admits GRPO groups as the ledger's capacity allows (the staleness bound, ``max_in_flight``),
+runs each trajectory as an agent-loop episode (``pearl.agents.loop.run_episode``) through
+the router, tells the ledger every move, hands complete batches to the trainer
+(``next_batch``; across processes, the spool of ``batches.py``), and applies the trainer's
+updates (``updated``: the past-bound rule — interrupted trajectories go on under the new
+weights, restarted ones are aborted and started again from their prompt, dropped ones
+aborted). It never re-implements the books: what to admit, which groups make a batch and
+what an update does are the ledger's answers.
+
+What it writes, in the run directory:
+- ``workload.json``: the ``WorkloadSnapshot`` the coordinator's predictor reads, every
+  ``snapshot_interval_s`` (``pearl.rollout.observed``, the simulator's own rules);
+- ``rollout.jsonl``: run-log records (``docs/log-schema.md``): ``turn_ended`` per turn,
+  ``trajectory_finished`` / ``trajectory_lost`` per trajectory, ``batch_consumed``,
+  ``past_bound``;
+- ``rollout/journal.jsonl``: every move of the books (``journal.py``), and
+  ``rollout/batches/``: every batch handed over (``batches.py``).
+
+Restart (``RolloutManager.open`` on a run directory with a journal): the journal replays
+into the same ledger; finished trajectories not yet in a batch come back whole; the ones
+running when the manager died are lost (their environments' state is gone): each is
+logged ``trajectory_lost`` with its wasted tokens and started again from its prompt, so
+nothing is lost silently and its group still completes.
+
+Group ``g``'s members share one task (environment seed ``seed * 1_000_003 + g``); member
+``k`` samples with seed ``sampling.seed + index`` when ``sampling.seed`` is set (index: its
+admission order), else at random.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pearl.agents.batches import RolloutBatch, Spool, trajectory_doc, trajectory_of
+from pearl.agents.journal import JournalError, RolloutJournal, read_journal
+from pearl.agents.loop import Limits, Trajectory, TurnRecord, run_episode
+from pearl.core.workload import TrajPhase, WorkloadSnapshot
+from pearl.engines.reference.tokenizer import Tokenizer
+from pearl.envs.protocol import Environment
+from pearl.io.atomic import write_text_atomic
+from pearl.rollout.ledger import RUNNING, PastBoundOutcome, RolloutLedger
+from pearl.rollout.observed import TurnObserver, progress, snapshot
+from pearl.rollout.rules import Batching, RolloutRules
+from pearl.router.router import Router, Sampling, TurnOutput
+from pearl.runlog.jsonl import RunLogWriter
+from pearl.runlog.records import batch_consumed_record, past_bound_record
+from pearl.runlog.schema import (
+    BatchCompleted,
+    RunStarted, TrajectoryFinished, TrajectoryLost, TurnEnded)
+
+log = logging.getLogger(__name__)
+
+JOURNAL = "rollout/journal.jsonl"
+SPOOL = "rollout/batches"
+RUN_LOG = "rollout.jsonl"
+WORKLOAD = "workload.json"
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    rules: RolloutRules
+    sampling: Sampling
+    limits: Limits = Limits()
+    seed: int = 0
+    snapshot_interval_s: float = 1.0
+    env_latency_s: float = 1.0  # a tool call's expected time, until the run has observed some
+
+
+@dataclass
+class _Live:
+    """A running trajectory, as the predictor sees it."""
+
+    traj_id: str
+    index: int
+    group_id: int
+    phase: TrajPhase = TrajPhase.QUEUED
+    context_tokens: int = 0
+    turns_done: int = 0
+    env_started_s: float = 0.0  # run clock
+    task: asyncio.Task[None] | None = None
+
+
+@dataclass
+class RolloutManager:
+    router: Router
+    make_env: Callable[[], Environment]
+    tok: Tokenizer
+    config: RolloutConfig
+    run_dir: Path
+    ledger: RolloutLedger = field(init=False)
+    observer: TurnObserver = field(default_factory=TurnObserver)
+    live: dict[str, _Live] = field(default_factory=dict)
+    finished: dict[str, Trajectory] = field(default_factory=dict)  # not in a batch yet
+    _t0_unix_s: float = 0.0
+    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.ledger = RolloutLedger(self.config.rules)
+        self.spool = Spool(self.run_dir / SPOOL)
+        self._journal: RolloutJournal | None = None
+        self._log: RunLogWriter | None = None
+        self._turns_done: dict[str, int] = {}  # replayed: turns of the running ones
+        self._completed_logged = -1  # the last batch logged batch_completed
+        self._batch_started_t = 0.0  # when the previous batch was taken
+        # the books changed: admission may go on / a batch may be complete
+        self._admit_wake = asyncio.Event()
+        self._batch_wake = asyncio.Event()
+
+    def _poke(self) -> None:
+        self._admit_wake.set()
+        self._batch_wake.set()
+
+    # --- life ----------------------------------------------------------------------------
+
+    @classmethod
+    async def open(
+        cls,
+        router: Router,
+        make_env: Callable[[], Environment],
+        tok: Tokenizer,
+        config: RolloutConfig,
+        run_dir: Path,
+    ) -> RolloutManager:
+        """A manager on ``run_dir``: a new run, or the one its journal holds, resumed."""
+        m = cls(router, make_env, tok, config, run_dir)
+        events = list(read_journal(run_dir / JOURNAL))
+        m._journal = RolloutJournal(run_dir / JOURNAL)
+        m._log = RunLogWriter(run_dir / RUN_LOG)
+        if events:
+            m._replay(events)
+        else:
+            m._t0_unix_s = time.time()
+            m._journal.write(
+                "start",
+                0.0,
+                run_started_unix_s=m._t0_unix_s,
+                rules=dataclasses.asdict(config.rules),
+                seed=config.seed,
+            )
+            m._log.write(
+                RunStarted(t=0.0, run_id=run_dir.name, source="rollout", policy="", seed=config.seed)
+            )
+        for traj_id in [r.traj_id for r in m.ledger.unconsumed() if r.state in RUNNING]:
+            m._lose(traj_id)  # running when the manager died: started again
+        return m
+
+    def start(self) -> None:
+        """Admission, the snapshot writer and the spool's requests, as background tasks."""
+        self._tasks += [
+            asyncio.create_task(self._admit_forever()),
+            asyncio.create_task(self._snapshot_forever()),
+            asyncio.create_task(self._spool_forever()),
+        ]
+        for live in self.live.values():
+            if live.task is None:
+                self._spawn(live)
+        self._poke()
+
+    async def close(self) -> None:
+        """Stop everything; trajectories still running are lost (and restarted by the next
+        ``open``: the journal has them running)."""
+        tasks = [*self._tasks, *(lv.task for lv in self.live.values() if lv.task)]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._write_snapshot()
+        if self._journal:
+            self._journal.close()
+        if self._log:
+            self._log.close()
+
+    def now_s(self) -> float:
+        """The run clock: seconds since the run first started (across restarts)."""
+        return time.time() - self._t0_unix_s
+
+    def _run_t(self, monotonic_s: float) -> float:
+        return max(0.0, self.now_s() - (time.monotonic() - monotonic_s))
+
+    # --- admission and episodes ------------------------------------------------------------
+
+    async def _admit_forever(self) -> None:
+        g = self.config.rules.group_size
+        while True:
+            await self._admit_wake.wait()
+            self._admit_wake.clear()
+            while self.ledger.capacity() >= g:
+                group_id = len(self.ledger.groups)
+                first = self.ledger.totals.admitted
+                ids = tuple(f"g{group_id:06d}-{k}" for k in range(g))
+                self.ledger.admit(ids, self.now_s())
+                self._write("admit", group_id=group_id, traj_ids=list(ids))
+                for k, traj_id in enumerate(ids):
+                    live = self.live[traj_id] = _Live(traj_id, first + k, group_id)
+                    self._spawn(live)
+
+    def _spawn(self, live: _Live) -> None:
+        live.task = asyncio.create_task(self._episode(live), name=live.traj_id)
+
+    async def _episode(self, live: _Live) -> None:
+        sampling = self.config.sampling
+        if sampling.seed is not None:
+            sampling = dataclasses.replace(sampling, seed=sampling.seed + live.index)
+        env_seed = self.config.seed * 1_000_003 + live.group_id
+        try:
+            traj = await run_episode(
+                self.router,
+                self.make_env(),
+                self.tok,
+                live.traj_id,
+                sampling,
+                self.config.limits,
+                seed=env_seed,
+                hooks=self,
+            )
+        except Exception as err:  # a bug or a refused request: this trajectory, not the run
+            log.exception("trajectory %s failed", live.traj_id)
+            traj = Trajectory(live.traj_id, end_reason="agent_error", info={"error": str(err)})
+        self._finish(traj)
+
+    # EpisodeHooks
+    def turn_sent(self, traj_id: str, turn: int, context_tokens: int) -> None:
+        live = self.live[traj_id]
+        self.ledger.sent(traj_id)
+        live.phase, live.context_tokens = TrajPhase.PREFILL, context_tokens
+        self._turn_t[traj_id] = self.now_s()
+
+    def model_turn_ended(self, traj_id: str, turn: int, out: TurnOutput) -> None:
+        live = self.live[traj_id]
+        spans = _spans(out.versions)
+        for version, n in spans:
+            self.ledger.generated(traj_id, n, version)
+        now = self.now_s()
+        self.ledger.turn_ended(traj_id, now, last=False)
+        self.observer.turn_ended(len(out.token_ids))
+        self._write("turn", traj_id=traj_id, spans=spans)
+        live.phase, live.env_started_s = TrajPhase.ENV, now
+        live.context_tokens += len(out.token_ids)
+
+    def env_step_ended(
+        self, traj_id: str, record: TurnRecord, observation_tokens: int | None
+    ) -> None:
+        live = self.live[traj_id]
+        live.turns_done += 1
+        self._emit(
+            TurnEnded.model_construct(
+                t=self._run_t(record.ended_s),
+                traj_id=traj_id,
+                turn=live.turns_done - 1,
+                prompt_tokens=record.prompt_tokens,
+                output_tokens=record.output_tokens,
+                started_t=self._run_t(record.started_s),
+                env_s=record.env_s if observation_tokens is not None else None,
+                served_by=record.served_by,
+                prefilled_by=record.prefilled_by,
+                continuations=record.continuations,
+                finish_reason=record.finish_reason,
+            )
+        )
+        if observation_tokens is None:
+            return
+        self.observer.env_step(record.env_s, observation_tokens)
+        self._write("env", traj_id=traj_id, env_s=record.env_s, observation_tokens=observation_tokens)
+        live.phase = TrajPhase.QUEUED
+        live.context_tokens += observation_tokens
+
+    def _finish(self, traj: Trajectory) -> None:
+        now = self.now_s()
+        self.ledger.finish(traj.traj_id, now)
+        self._write("finish", traj_id=traj.traj_id, trajectory=trajectory_doc(traj))
+        self._finished_books(traj)
+        del self.live[traj.traj_id]
+        self._emit(
+            TrajectoryFinished.model_construct(
+                t=now,
+                traj_id=traj.traj_id,
+                batch_id=None,
+                num_turns=len(traj.turns),
+                output_tokens=traj.generated_tokens,
+                min_policy_version=min((v for v in traj.versions if v >= 0), default=0),
+                reward=traj.reward,
+                end_reason=traj.end_reason,
+                prompt_tokens=traj.turns[0].prompt_tokens if traj.turns else len(traj.token_ids),
+                observation_tokens=len(traj.token_ids) - traj.generated_tokens,
+                started_t=self.ledger.trajectories[traj.traj_id].admitted_s,
+            )
+        )
+        self._batch_completed(now)
+        self._poke()
+
+    def _batch_completed(self, now: float) -> None:
+        """The trainer's signal: the next batch became complete (logged once per batch;
+        the snapshot's ``next_batch.groups_needed`` is 0 from now until it is taken)."""
+        batch_id = self.ledger.totals.batches
+        if self.ledger.batch_ready() and batch_id > self._completed_logged:
+            self._completed_logged = batch_id
+            self._emit(
+                BatchCompleted.model_construct(
+                    t=now, batch_id=batch_id, started_t=self._batch_started_t, predicted_s=None
+                )
+            )
+
+    def _finished_books(self, traj: Trajectory) -> None:
+        self.finished[traj.traj_id] = traj
+        self.observer.trajectory_finished(len(traj.turns))
+
+    def _lose(self, traj_id: str) -> None:
+        rec = self.ledger.trajectories[traj_id]
+        wasted = self.ledger.lost(traj_id)
+        self._write("lost", traj_id=traj_id, wasted_tokens=wasted)
+        self._emit(
+            TrajectoryLost.model_construct(
+                t=self.now_s(),
+                traj_id=traj_id,
+                reason="manager_restart",
+                wasted_tokens=wasted,
+                turns_done=self._turns_done.pop(traj_id, 0),
+            )
+        )
+        self.live[traj_id] = _Live(traj_id, rec.index, rec.group_id)
+
+    # --- batches and updates ---------------------------------------------------------------
+
+    async def next_batch(self) -> RolloutBatch:
+        """The trainer's next batch, once the ledger says it is complete."""
+        while not self.ledger.batch_ready():
+            self._batch_wake.clear()
+            await self._batch_wake.wait()
+        now = self.now_s()
+        taken = self.ledger.take_batch(now)
+        trajs = tuple(self.finished.pop(t) for t in taken.traj_ids)
+        batch = RolloutBatch(
+            batch_id=taken.batch_id,
+            policy_version=taken.version,
+            trajectories=trajs,
+            group_ids=tuple(self.ledger.trajectories[t].group_id for t in taken.traj_ids),
+            off_policy_tokens=taken.off_policy_tokens,
+            max_staleness_versions=taken.max_staleness_versions,
+            mean_staleness_versions=taken.mean_staleness_versions,
+        )
+        self.spool.write(batch)
+        self._write("batch", batch_id=taken.batch_id, traj_ids=list(taken.traj_ids))
+        self._emit(batch_consumed_record(now, taken))
+        self._batch_started_t = now
+        self._batch_completed(now)  # more complete groups may be waiting already
+        self._poke()
+        return batch
+
+    async def updated(self, version: int) -> PastBoundOutcome:
+        """The trainer's update made ``version``, now on the engines: the past-bound rule."""
+        now = self.now_s()
+        outcome = self.ledger.updated(now, version)
+        self._write("updated", version=version)
+        if not outcome.empty:
+            self._emit(past_bound_record(now, outcome, self.config.rules.past_bound))
+        gone = [*outcome.restarted, *outcome.dropped]
+        cancelled = [t for t in gone if t in self.live and self.live[t].task is not None]
+        for traj_id in cancelled:
+            task = self.live[traj_id].task
+            assert task is not None
+            task.cancel()
+        await asyncio.gather(*(self.live[t].task for t in cancelled), return_exceptions=True)  # type: ignore[misc]
+        if not self.ledger.batch_ready():  # it lost a group: complete again later
+            self._completed_logged = min(self._completed_logged, self.ledger.totals.batches - 1)
+        for traj_id in outcome.dropped:
+            self.live.pop(traj_id, None)
+            self.finished.pop(traj_id, None)
+        for traj_id in outcome.restarted:
+            self.finished.pop(traj_id, None)
+            rec = self.ledger.trajectories[traj_id]
+            live = self.live[traj_id] = _Live(traj_id, rec.index, rec.group_id)
+            self._spawn(live)
+        self._poke()
+        return outcome
+
+    async def _spool_forever(self, poll_s: float = 0.05) -> None:
+        """Requests of a trainer in another process (``batches.SpoolClient``)."""
+        while True:
+            for kind, number in self.spool.requests():
+                if kind == "updated" and number > self.ledger.version:
+                    await self.updated(number)
+                elif kind == "want" and number == self.ledger.totals.batches:
+                    await self.next_batch()
+            await asyncio.sleep(poll_s)
+
+    # --- what the predictor reads ----------------------------------------------------------
+
+    def snapshot(self) -> WorkloadSnapshot:
+        now = self.now_s()
+        turns = self.config.limits.max_turns
+        default = tuple((turns - k + 1) / 2 for k in range(turns))  # uniform over 1..max
+        turns_left = self.observer.turns_left(default)
+        tool_left = self.observer.tool_left(self.config.env_latency_s)
+        grouped = self.config.rules.batching is Batching.FIRST_COMPLETED
+        progress_of = [
+            progress(
+                lv.traj_id,
+                lv.phase,
+                lv.context_tokens,
+                0,
+                lv.turns_done,
+                now - lv.env_started_s if lv.phase is TrajPhase.ENV else 0.0,
+                f"g{lv.group_id}" if grouped else None,
+                turns_left,
+                tool_left,
+            )
+            for lv in self.live.values()
+        ]
+        return snapshot(self.ledger, progress_of, self.observer.turn_stats(), self.ledger.version)
+
+    def _write_snapshot(self) -> None:
+        write_text_atomic(self.run_dir / WORKLOAD, self.snapshot().model_dump_json() + "\n")
+
+    async def _snapshot_forever(self) -> None:
+        while True:
+            self._write_snapshot()
+            await asyncio.sleep(self.config.snapshot_interval_s)
+
+    # --- journal ---------------------------------------------------------------------------
+
+    def _write(self, event: str, **fields: Any) -> None:
+        assert self._journal is not None
+        self._journal.write(event, self.now_s(), **fields)
+
+    def _emit(self, record: Any) -> None:
+        if self._log is not None:
+            self._log.write(record)
+
+    def _replay(self, events: list[dict[str, Any]]) -> None:
+        """Rebuild the books from the journal (``journal.py``'s table)."""
+        path = self.run_dir / JOURNAL
+        first = events[0]
+        if first["e"] != "start":
+            raise JournalError(f"{path}:1: the first event is {first['e']!r}, not 'start'")
+        if first.get("rules") != dataclasses.asdict(self.config.rules):
+            raise JournalError(
+                f"{path}: the run's rollout rules differ from this config's "
+                f"({first.get('rules')} != {dataclasses.asdict(self.config.rules)})"
+            )
+        self._t0_unix_s = float(first["run_started_unix_s"])
+        led = self.ledger
+        for number, ev in enumerate(events[1:], start=2):
+            try:
+                self._replay_one(led, ev)
+            except (KeyError, ValueError, TypeError) as err:
+                raise JournalError(f"{path}:{number}: {ev['e']}: {err}") from None
+
+    def _replay_one(self, led: RolloutLedger, ev: dict[str, Any]) -> None:
+        kind, t = ev["e"], float(ev["t"])
+        if kind == "admit":
+            led.admit(tuple(ev["traj_ids"]), t)
+            for traj_id in ev["traj_ids"]:
+                self._turns_done[traj_id] = 0
+        elif kind == "turn":
+            led.sent(ev["traj_id"])
+            for version, n in ev["spans"]:
+                led.generated(ev["traj_id"], int(n), int(version))
+            led.turn_ended(ev["traj_id"], t, last=False)
+            self._turns_done[ev["traj_id"]] += 1
+            self.observer.turn_ended(sum(int(n) for _, n in ev["spans"]))
+        elif kind == "env":
+            self.observer.env_step(float(ev["env_s"]), int(ev["observation_tokens"]))
+        elif kind == "finish":
+            traj = trajectory_of(ev["trajectory"], "trajectory")
+            led.finish(ev["traj_id"], t)
+            self._finished_books(traj)
+        elif kind == "batch":
+            taken = led.take_batch(t)
+            if taken.batch_id != ev["batch_id"] or list(taken.traj_ids) != ev["traj_ids"]:
+                raise ValueError(f"batch {ev['batch_id']} does not replay to the same groups")
+            for traj_id in taken.traj_ids:
+                self.finished.pop(traj_id)
+        elif kind == "updated":
+            outcome = led.updated(t, int(ev["version"]))
+            for traj_id in (*outcome.restarted, *outcome.dropped):
+                self.finished.pop(traj_id, None)
+                self._turns_done[traj_id] = 0
+        elif kind == "lost":
+            led.lost(ev["traj_id"])
+            self._turns_done[ev["traj_id"]] = 0
+
+
+def _spans(versions: list[int]) -> list[tuple[int, int]]:
+    """Runs of equal versions: ``[(version, tokens), ...]``."""
+    out: list[tuple[int, int]] = []
+    for v in versions:
+        if out and out[-1][0] == v:
+            out[-1] = (v, out[-1][1] + 1)
+        else:
+            out.append((v, 1))
+    return out
+

@@ -1,0 +1,42 @@
+"""The rollout manager the manager tests run: two colocated reference engines, the
+arithmetic environment, groups of 2, batches of 4, staleness bound 1, at most 8 running."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pearl.agents.loop import Limits
+from pearl.agents.manager import RolloutConfig, RolloutManager
+from pearl.core.roles import Role
+from pearl.engines.reference.tokenizer import load
+from pearl.envs import registry
+from pearl.rollout.rules import PastBound, RolloutRules
+from pearl.router.router import Router, Sampling
+
+RULES = RolloutRules(
+    batch_trajectories=4,
+    max_staleness_versions=1,
+    group_size=2,
+    max_in_flight=8,
+    past_bound=PastBound.RESTART,
+)
+CONFIG = RolloutConfig(
+    rules=RULES,
+    sampling=Sampling(max_tokens=12, temperature=1.0, seed=7),
+    limits=Limits(max_turns=3, max_context_tokens=1024, step_timeout_s=10),
+    seed=3,
+    snapshot_interval_s=0.2,
+)
+ENV = {"name": "arithmetic", "max_turns": 3}
+
+
+async def open_manager(
+    model_dir: Path, run_dir: Path, urls: list[str], config: RolloutConfig = CONFIG
+) -> RolloutManager:
+    router = Router()
+    for i, url in enumerate(urls):
+        router.table.add(f"e{i}", url, Role.COLOCATED)
+        router.table.ready(f"e{i}")
+    return await RolloutManager.open(
+        router, lambda: registry.make(ENV, "test.yaml"), load(model_dir), config, run_dir
+    )

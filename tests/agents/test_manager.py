@@ -1,0 +1,221 @@
+"""The rollout manager over real reference engines and the arithmetic environment: batches
+of whole groups handed to a trainer in-process and across processes (the spool), the
+past-bound rule at updates, the predictor's snapshot and the run log written, and a
+manager killed mid-rollout that resumes from its journal with nothing lost silently."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+from engine_procs import EngineProc, start_engine, wait_healthy
+from manager_setup import CONFIG, open_manager
+
+from pearl.agents.batches import RolloutBatch, SpoolClient
+from pearl.agents.journal import JournalError, read_journal
+from pearl.agents.manager import JOURNAL, RUN_LOG, SPOOL, WORKLOAD, RolloutManager
+from pearl.core.workload import WorkloadSnapshot
+from pearl.io.documents import parse, read_document
+from pearl.rollout.ledger import TrajState
+from pearl.runlog.jsonl import read_records
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(scope="module")
+def engines(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[list[EngineProc]]:
+    logs = tmp_path_factory.mktemp("manager-engines")
+    procs = [start_engine(tiny_model_dir, logs, name) for name in ("m0", "m1")]
+    try:
+        wait_healthy(procs)
+        yield procs
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def _check_batch(batch: RolloutBatch, seen: set[str]) -> None:
+    rules = CONFIG.rules
+    assert len(batch.trajectories) == rules.batch_trajectories
+    for group in batch.groups.values():
+        assert len(group) == rules.group_size  # whole groups
+        first_prompts = {tuple(t.token_ids[: t.turns[0].prompt_tokens]) for t in group if t.turns}
+        assert len(first_prompts) <= 1, "a group's members share one task"
+    for t in batch.trajectories:
+        assert t.traj_id not in seen, "a trajectory in two batches"
+        seen.add(t.traj_id)
+        assert t.end_reason
+        assert len(t.token_ids) == len(t.loss_mask) == len(t.logprobs) == len(t.versions)
+    assert batch.max_staleness_versions <= rules.max_staleness_versions
+
+
+async def _run_batches(manager: RolloutManager, n: int, seen: set[str]) -> list[RolloutBatch]:
+    out = []
+    for _ in range(n):
+        batch = await asyncio.wait_for(manager.next_batch(), 120)
+        _check_batch(batch, seen)
+        out.append(batch)
+        await manager.updated(batch.policy_version + 1)
+    return out
+
+
+def test_batches_of_whole_groups_snapshot_and_run_log(
+    engines: list[EngineProc], tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    urls = [e.url for e in engines]
+
+    async def run() -> tuple[list[RolloutBatch], WorkloadSnapshot]:
+        manager = await open_manager(tiny_model_dir, tmp_path, urls)
+        manager.start()
+        try:
+            batches = await _run_batches(manager, 3, set())
+            await asyncio.sleep(0.5)  # a snapshot with trajectories running
+            snap = parse(WorkloadSnapshot, read_document(tmp_path / WORKLOAD), tmp_path)
+            manager.ledger.check()
+            return batches, snap
+        finally:
+            await manager.close()
+            await manager.router.aclose()
+
+    batches, snap = asyncio.run(run())
+    assert [b.batch_id for b in batches] == [0, 1, 2]
+    assert [b.policy_version for b in batches] == [0, 1, 2]
+    assert snap.next_batch is not None and snap.next_batch.group_size == 2
+    assert snap.trajectories, "running trajectories in the predictor's snapshot"
+    assert all(t.group_id for t in snap.trajectories)
+    # the spool holds every batch handed over
+    assert sorted(p.name for p in (tmp_path / SPOOL).glob("batch-*.json")) == [
+        "batch-000000.json",
+        "batch-000001.json",
+        "batch-000002.json",
+    ]
+    records = list(read_records(tmp_path / RUN_LOG))
+    kinds = [r.type for r in records]
+    assert kinds[0] == "run_started"
+    assert kinds.count("batch_consumed") == 3
+    turns = [r for r in records if r.type == "turn_ended"]
+    finished = {r.traj_id: r for r in records if r.type == "trajectory_finished"}
+    for b in batches:
+        for t in b.trajectories:
+            assert finished[t.traj_id].num_turns == len(t.turns)
+            assert finished[t.traj_id].output_tokens == sum(t.loss_mask)
+            logged = [r for r in turns if r.traj_id == t.traj_id]
+            assert [r.output_tokens for r in logged] == [x.output_tokens for x in t.turns]
+
+
+def test_a_trainer_in_another_process_reads_the_spool(
+    engines: list[EngineProc], tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The spool's protocol: the trainer's ``want`` brings the batch, its ``updated`` the
+    new version; the trainer here is a subprocess."""
+    trainer = (
+        "import asyncio, sys\n"
+        "from pathlib import Path\n"
+        "from pearl.agents.batches import SpoolClient\n"
+        "async def main():\n"
+        "    c = SpoolClient(Path(sys.argv[1]))\n"
+        "    for i in range(2):\n"
+        "        b = await c.batch(i, timeout_s=120)\n"
+        "        print(b.batch_id, b.policy_version, len(b.trajectories), flush=True)\n"
+        "        c.updated(b.policy_version + 1)\n"
+        "asyncio.run(main())\n"
+    )
+
+    async def run() -> str:
+        manager = await open_manager(tiny_model_dir, tmp_path, [e.url for e in engines])
+        manager.start()
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", trainer, str(tmp_path / SPOOL), stdout=subprocess.PIPE
+        )
+        try:
+            out, _ = await asyncio.wait_for(proc.communicate(), 180)
+            for _ in range(100):  # the manager applies the last update
+                if manager.ledger.version == 2:
+                    break
+                await asyncio.sleep(0.05)
+            assert manager.ledger.version == 2
+            return out.decode()
+        finally:
+            await manager.close()
+            await manager.router.aclose()
+
+    assert asyncio.run(run()).split() == ["0", "0", "4", "1", "1", "4"]
+    assert SpoolClient  # the trainer's side is the module's own class
+
+
+def test_a_killed_manager_resumes_from_its_journal(
+    engines: list[EngineProc], tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    urls = ",".join(e.url for e in engines)
+    proc = subprocess.Popen(
+        [sys.executable, str(HERE / "manager_proc.py"), str(tiny_model_dir), str(tmp_path), urls],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    journal = tmp_path / JOURNAL
+    deadline = time.monotonic() + 180
+    try:
+        while True:  # until it has handed over a batch and has turns in flight
+            assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+            assert time.monotonic() < deadline, "no batch before the deadline"
+            events = list(read_journal(journal)) if journal.exists() else []
+            kinds = [e["e"] for e in events]
+            if "batch" in kinds and kinds[-1] == "turn":
+                break
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    before = list(read_journal(journal))
+    finished_before = {e["traj_id"] for e in before if e["e"] == "finish"}
+    batched_before = {t for e in before if e["e"] == "batch" for t in e["traj_ids"]}
+
+    async def resume() -> tuple[list[RolloutBatch], set[str], set[str]]:
+        manager = await open_manager(tiny_model_dir, tmp_path, urls.split(","))
+        led = manager.ledger
+        waiting = {t for t, r in led.trajectories.items() if r.state is TrajState.FINISHED}
+        # what had finished and was not in a batch comes back whole
+        assert waiting == finished_before - batched_before
+        assert set(manager.finished) == waiting
+        lost = set(manager.live)
+        manager.start()
+        try:
+            batches = await _run_batches(manager, 2, set(batched_before))
+            led.check()
+            return batches, waiting, lost
+        finally:
+            await manager.close()
+            await manager.router.aclose()
+
+    batches, waiting, lost = asyncio.run(resume())
+    assert lost, "the kill caught trajectories running"
+    first_id = 1 + max(e["batch_id"] for e in before if e["e"] == "batch")
+    assert [b.batch_id for b in batches] == [first_id, first_id + 1]
+    records = list(read_records(tmp_path / RUN_LOG))
+    logged_lost = {r.traj_id for r in records if r.type == "trajectory_lost"}
+    assert logged_lost == lost  # none lost silently
+    assert all(r.reason == "manager_restart" for r in records if r.type == "trajectory_lost")
+
+
+def test_a_corrupt_journal_is_refused_with_its_line(tmp_path: Path) -> None:
+    path = tmp_path / JOURNAL
+    path.parent.mkdir(parents=True)
+    good = json.dumps({"e": "start", "t": 0.0})
+    path.write_text(f"{good}\nnot json\n{good}\n{good[:10]}", encoding="utf-8")
+    with pytest.raises(JournalError, match=r"journal.jsonl:2: "):
+        list(read_journal(path))
+    path.write_text(f"{good}\n{good[:10]}", encoding="utf-8")  # a torn last line is cut
+    assert len(list(read_journal(path))) == 1
+    assert path.read_text(encoding="utf-8") == f"{good}\n"
