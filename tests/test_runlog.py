@@ -24,6 +24,8 @@ from pearl.runlog.schema import (
     RunStarted,
     TrainStep,
     TrajectoryFinished,
+    TrajectoryLost,
+    TurnEnded,
     WorkerPhase,
     decode,
     encode,
@@ -59,6 +61,20 @@ EXAMPLES: list[Record] = [
     TrajectoryFinished(
         t=9, traj_id="x", batch_id=0, num_turns=5, output_tokens=900, min_policy_version=0
     ),
+    TurnEnded(
+        t=3.5,
+        traj_id="x",
+        turn=0,
+        prompt_tokens=812,
+        output_tokens=240,
+        started_t=1.25,
+        env_s=0.8,
+        served_by=("d0", "d1"),
+        prefilled_by=("p0",),
+        continuations=1,
+        finish_reason="stop",
+    ),
+    TrajectoryLost(t=6, traj_id="y", reason="manager_restart", wasted_tokens=300, turns_done=2),
     BatchCompleted(t=10, batch_id=0, started_t=0, predicted_s=9.5),
     BatchConsumed(
         t=10,
@@ -129,3 +145,120 @@ def test_writer_and_tolerant_reader(tmp_path: Path) -> None:
     assert (stats.lines, stats.records) == (len(EXAMPLES) + 5, len(EXAMPLES))
     assert (stats.malformed, stats.unknown_type, stats.other_version, stats.invalid) == (2, 1, 1, 1)
     assert stats.by_type["decision"] == 1
+
+
+# The rollout manager's records: turns, lost trajectories, the fields it adds to
+# trajectory_finished, and its run_started source.
+TURN: dict[str, object] = {
+    "v": 1,
+    "t": 4.0,
+    "type": "turn_ended",
+    "traj_id": "x",
+    "turn": 1,
+    "prompt_tokens": 1100,
+    "output_tokens": 90,
+    "started_t": 3.0,
+    "env_s": None,
+    "served_by": ["d0"],
+    "prefilled_by": [],
+    "continuations": 0,
+    "finish_reason": None,
+}
+OLD_FINISHED: dict[str, object] = {  # a trajectory_finished line as written before
+    "v": 1,
+    "t": 9.0,
+    "type": "trajectory_finished",
+    "traj_id": "x",
+    "batch_id": None,
+    "num_turns": 2,
+    "output_tokens": 330,
+    "min_policy_version": 0,
+}
+
+
+def test_rollout_records_round_trip() -> None:
+    records: list[Record] = [
+        RunStarted(t=0, run_id="r2", source="rollout", policy="none"),
+        TurnEnded(
+            t=4,
+            traj_id="x",
+            turn=1,
+            prompt_tokens=1100,
+            output_tokens=90,
+            started_t=3,
+            env_s=None,
+            served_by=("d0",),
+            prefilled_by=(),
+            continuations=0,
+            finish_reason=None,
+        ),
+        TrajectoryFinished(
+            t=9,
+            traj_id="x",
+            num_turns=2,
+            output_tokens=330,
+            min_policy_version=0,
+            reward=0.5,
+            end_reason="max_turns",
+            prompt_tokens=812,
+            observation_tokens=288,
+            started_t=1.25,
+        ),
+        TrajectoryLost(t=6, traj_id="y", reason="manager_restart", wasted_tokens=0, turns_done=0),
+    ]
+    for record in records:
+        assert decode(json.loads(json.dumps(encode(record)))) == record
+    assert decode(TURN) == records[1]
+
+
+def test_trajectory_finished_without_the_new_fields() -> None:
+    """An old line still decodes (the new fields at their defaults), and a record that sets
+    none of them encodes to exactly the old line: v stays 1."""
+    record = decode(OLD_FINISHED)
+    assert isinstance(record, TrajectoryFinished)
+    assert (record.reward, record.end_reason, record.prompt_tokens) == (None, "", None)
+    assert (record.observation_tokens, record.started_t) == (None, None)
+    assert encode(record) == OLD_FINISHED
+    with_reward = record.model_copy(update={"reward": 0.0})
+    assert encode(with_reward) == {**OLD_FINISHED, "reward": 0.0}  # 0.0 is set, not default
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        pytest.param({k: v for k, v in TURN.items() if k != "served_by"},
+                     "served_by: Field required", id="turn-missing-field"),
+        pytest.param({**TURN, "output_tokens": -1}, "output_tokens: Input should be greater",
+                     id="turn-negative-tokens"),
+        pytest.param({**TURN, "env_s": "slow"}, "env_s: Input should be a valid number",
+                     id="turn-bad-env"),
+        pytest.param({**TURN, "served_by": "d0"}, "served_by: Input should be a valid tuple",
+                     id="turn-served-by-not-a-list"),
+        pytest.param({**TURN, "engine": "d0"}, "engine: Extra inputs", id="turn-extra-field"),
+        pytest.param({"v": 1, "t": 6, "type": "trajectory_lost", "traj_id": "y",
+                      "wasted_tokens": 3, "turns_done": 1}, "reason: Field required",
+                     id="lost-missing-reason"),
+        pytest.param({**OLD_FINISHED, "reward": "high"}, "reward: Input should be a valid number",
+                     id="finished-bad-reward"),
+        pytest.param({"v": 1, "t": 0, "type": "run_started", "run_id": "r", "source": "trainer",
+                      "policy": "p"}, "source: Input should be", id="run-started-bad-source"),
+    ],
+)  # fmt: skip
+def test_decode_names_the_problem_in_rollout_records(data: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        decode(data)
+
+
+def test_the_reader_skips_and_counts_a_bad_turn(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    path.write_text(
+        json.dumps(TURN)
+        + "\n"
+        + json.dumps({**TURN, "turn": -1})  # invalid
+        + "\n"
+        + json.dumps(TURN)[:40],  # truncated
+        encoding="utf-8",
+    )
+    stats = ReadStats()
+    assert [r.type for r in read_records(path, stats)] == ["turn_ended"]
+    assert (stats.lines, stats.invalid, stats.malformed) == (3, 1, 1)

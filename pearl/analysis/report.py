@@ -99,6 +99,39 @@ def comparison_row(s: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+ROLLOUT_COLUMNS = (
+    "run",
+    "turns",
+    "finished",
+    "lost",
+    "output_tokens_per_s",
+    "model_turn_p50_s",
+    "model_turn_p99_s",
+    "tool_p50_s",
+    "tool_p99_s",
+    "mean_reward",
+)
+
+
+def rollout_row(s: dict[str, Any]) -> dict[str, Any]:
+    """One run's rollout headline (``pearl analyze``'s console table); ``s`` has a
+    ``rollout_turns`` section."""
+    r = s["rollout_turns"]
+    values = (
+        s["name"],
+        r["turns"],
+        r["trajectories_finished"],
+        r["trajectories_lost"],
+        r["output_tokens_per_s"],
+        r["model_turn_s"]["p50"],
+        r["model_turn_s"]["p99"],
+        r["tool_s"]["p50"],
+        r["tool_s"]["p99"],
+        r["mean_reward"],
+    )
+    return dict(zip(ROLLOUT_COLUMNS, values, strict=True))
+
+
 def _table(rows: Sequence[dict[str, Any]], keys: Sequence[str] | None = None) -> Table:
     keys = list(keys if keys is not None else (rows[0] if rows else {}))
     return Table(tuple(keys), tuple(tuple(fmt(r.get(k)) for k in keys) for r in rows))
@@ -140,6 +173,9 @@ def _run_blocks(run: RunAnalysis, s: dict[str, Any], plots: dict[str, Path]) -> 
     blocks += [Heading(3, "GPU roles over time"), Image(plots["gpu-timeline"], "GPU timeline")]
     blocks += [Heading(3, "Throughput and training"), Image(plots["throughput"], "throughput")]
     blocks.append(_kv({**_flat(s["throughput"]), **_flat(s["training"])}))
+    if "rollout_turns" in s:  # a rollout manager's log (pearl.analysis.turns)
+        blocks += [Heading(3, "Rollout: turns, tokens/s, tool latencies")]
+        blocks += [_kv(_flat(s["rollout_turns"]))]
     blocks += [Heading(3, "Consumption and the staleness bound"), _kv(_flat(s["rollout"]))]
     blocks += [Heading(3, "GPU-hours and utilisation"), _kv(_flat(s["gpu_hours"]))]
     pd = s["pd"]
@@ -385,6 +421,12 @@ def run(args: argparse.Namespace) -> int:
     print("  ".join(keys))
     for row in summary["comparison"]:
         print("  ".join(fmt(row[k]) for k in keys))
+    rollouts = [r for r in summary["runs"] if "rollout_turns" in r]
+    if rollouts:
+        print()
+        print("  ".join(ROLLOUT_COLUMNS))
+        for r in rollouts:
+            print("  ".join(fmt(v) for v in rollout_row(r).values()))
     if summary["skipped_lines"]:
         print(f"{summary['skipped_lines']} line(s) skipped (counted in the report)")
     print(f"report.md, report.html, summary.json and plots in {out}")

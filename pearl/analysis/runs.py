@@ -15,20 +15,22 @@ where the rule finds nothing, is an ``InputError`` naming the path (exit status 
 ``analyze_log`` reads a log once with ``pearl.runlog.jsonl.read_records`` (skipping and
 counting malformed lines, unknown types, other schema versions and invalid records) and
 feeds every record to the accumulators of ``pearl.analysis.metrics``,
-``pearl.analysis.decisions`` and ``pearl.analysis.timeline``; memory grows with the run's
-duration and control events, not with its trajectories.
+``pearl.analysis.decisions``, ``pearl.analysis.timeline`` and ``pearl.analysis.turns``;
+memory grows with the run's duration and control events, not with its trajectories
+(a rollout manager's log: also two floats per logged turn, ``pearl.analysis.turns``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pearl.analysis.decisions import BorrowWindows, ElasticUse, PdTimeline
 from pearl.analysis.metrics import Batches, Consumption, RunInfo, Throughput, Training
 from pearl.analysis.timeline import GpuTimeline
+from pearl.analysis.turns import RolloutTurns
 from pearl.io.documents import InputError
 from pearl.runlog.jsonl import ReadStats, read_records
 from pearl.runlog.schema import Record
@@ -99,6 +101,7 @@ class RunAnalysis:
     elastic: ElasticUse
     timeline: GpuTimeline
     max_return_delay_s: float | None = None
+    turns: RolloutTurns = field(default_factory=RolloutTurns)  # a rollout manager's records
 
     @property
     def end_t(self) -> float:
@@ -131,7 +134,7 @@ class RunAnalysis:
         notes = self.timeline.notes() + self.info.notes()
         if self.max_return_delay_s is None:
             notes.append("max_return_delay_s unknown: not logged; pass --max-return-delay-s")
-        return {
+        out: dict[str, Any] = {
             "name": self.log.name,
             "path": str(self.log.path),
             "run": self.info.summary(),
@@ -148,6 +151,10 @@ class RunAnalysis:
             "elastic": elastic,
             "notes": notes,
         }
+        rollout_turns = self.turns.summary()
+        if rollout_turns is not None:  # only in a log with turn (or lost) records
+            out["rollout_turns"] = rollout_turns
+        return out
 
 
 def analyze_log(log: RunLog, max_return_delay_s: float | None = None) -> RunAnalysis:
@@ -178,6 +185,7 @@ def analyze_log(log: RunLog, max_return_delay_s: float | None = None) -> RunAnal
         run.borrow,
         run.elastic,
         run.timeline,
+        run.turns,
     ):
         for kind, handler in acc.handlers().items():
             handlers.setdefault(kind, []).append(handler)

@@ -7,16 +7,19 @@ reads both. Pure: no I/O; ``pearl.runlog.jsonl`` writes and reads files.
 
 Invariants: a record round-trips through ``encode``/``decode`` unchanged; ``decode``
 rejects an unknown type, a missing field or a wrong version with a ``ValueError`` naming
-the field, so a reader can skip and count bad lines instead of crashing.
+the field, so a reader can skip and count bad lines instead of crashing. Optional fields
+added to a record type after it was first written (``_OMIT_UNSET``) are left out of its
+line while they hold their default, so a writer that does not set them writes the same
+lines as before they existed.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 from pydantic import Field, TypeAdapter, ValidationError
 
-from pearl.core.state import Frozen, NonNegFloat
+from pearl.core.state import Frozen, NonNegFloat, NonNegInt
 
 SCHEMA_VERSION = 1
 
@@ -24,6 +27,9 @@ Seconds = NonNegFloat
 
 
 class _Record(Frozen):
+    # optional fields added later: not written while at their default (see the docstring)
+    _OMIT_UNSET: ClassVar[tuple[str, ...]] = ()
+
     v: Literal[1] = 1  # SCHEMA_VERSION
     t: Seconds = Field(description="Run clock (s since the run started).")
 
@@ -31,7 +37,7 @@ class _Record(Frozen):
 class RunStarted(_Record):
     type: Literal["run_started"] = "run_started"
     run_id: str
-    source: Literal["simulator", "coordinator"]
+    source: Literal["simulator", "coordinator", "rollout"]  # rollout: the rollout manager
     policy: str
     scenario: str = ""
     seed: int | None = None
@@ -119,6 +125,50 @@ class TrajectoryFinished(_Record):
     num_turns: int
     output_tokens: int
     min_policy_version: int = Field(description="Oldest policy version among its tokens.")
+    # Written by the rollout manager (the simulator leaves them at their defaults):
+    reward: float | None = None
+    end_reason: str = Field(
+        "",
+        description="Why the episode ended: the env's reason, max_turns, context_limit, "
+        "turn_failed, ...; empty when not logged.",
+    )
+    prompt_tokens: NonNegInt | None = Field(None, description="Of its first turn.")
+    observation_tokens: NonNegInt | None = Field(
+        None, description="Appended by its tool steps (env observations)."
+    )
+    started_t: Seconds | None = Field(None, description="Its first turn's send.")
+
+    _OMIT_UNSET = ("reward", "end_reason", "prompt_tokens", "observation_tokens", "started_t")
+
+
+class TurnEnded(_Record):
+    """A model turn of a trajectory ended (written by the rollout manager; ``t``: its end)."""
+
+    type: Literal["turn_ended"] = "turn_ended"
+    traj_id: str
+    turn: NonNegInt = Field(description="0-based.")
+    prompt_tokens: NonNegInt
+    output_tokens: NonNegInt
+    started_t: Seconds = Field(description="The turn's send.")
+    env_s: NonNegFloat | None = Field(description="The tool step after it; None after the last.")
+    served_by: tuple[str, ...] = Field(
+        description="Engine instances that generated its tokens, in order (several: migrated)."
+    )
+    prefilled_by: tuple[str, ...] = Field(
+        description="Disaggregated prefill instances; () when colocated."
+    )
+    continuations: NonNegInt = Field(description="Requests resubmitted after an abort.")
+    finish_reason: str | None
+
+
+class TrajectoryLost(_Record):
+    """A trajectory in flight was lost; it is started again from its prompt."""
+
+    type: Literal["trajectory_lost"] = "trajectory_lost"
+    traj_id: str
+    reason: str = Field(description="e.g. manager_restart: in flight when the manager died.")
+    wasted_tokens: NonNegInt = Field(description="Output tokens generated for it, lost.")
+    turns_done: NonNegInt
 
 
 class BatchCompleted(_Record):
@@ -184,6 +234,8 @@ Record = Annotated[
     | AllocationChanged
     | BorrowChanged
     | TrajectoryFinished
+    | TurnEnded
+    | TrajectoryLost
     | BatchCompleted
     | BatchConsumed
     | PastBoundApplied
@@ -200,6 +252,10 @@ RECORD_TYPES: tuple[str, ...] = tuple(
 
 def encode(record: Record) -> dict[str, Any]:
     data: dict[str, Any] = record.model_dump(mode="json")
+    fields = type(record).model_fields
+    for name in record._OMIT_UNSET:
+        if data[name] == fields[name].default:
+            del data[name]
     return data
 
 
