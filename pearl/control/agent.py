@@ -3,8 +3,9 @@
 It waits for the port file in the run directory, knocks (:mod:`pearl.control.rendezvous`),
 ``Connect``\\ s to the coordinator's port and sends ``Hello`` with the token and its GPUs.
 Then one loop on the main thread (the only thread that calls MPI): receive commands and run
-them on a thread pool against its :class:`~pearl.control.workers.Workers`, send their acks,
-send a heartbeat every ``heartbeat_s``, and watch the coordinator's heartbeats.
+them on a thread pool against its :class:`~pearl.control.workers.Workers`, send their acks
+(that of a start or a wake with the engine's URL, for the router), send a heartbeat every
+``heartbeat_s``, and watch the coordinator's heartbeats.
 
 Preemption: SIGTERM or SIGUSR2 (Slurm's ``--signal``) -> ``Preempted(grace_s)``, stop the
 workers within part of the grace period, ``Bye("preempted")``, drop the intercommunicator,
@@ -40,8 +41,10 @@ from pearl.control.mpi import find_mpiexec, load_mpi
 from pearl.control.portfile import wait_port_file
 from pearl.control.rendezvous import KnockRefused, knock
 from pearl.control.workers import Workers
+from pearl.core.plan import Action
 
 EXIT_OK, EXIT_REFUSED, EXIT_LOST = 0, 2, 3
+_JOINS = frozenset({Action.START, Action.WAKE})  # acks that report the engine's URL
 
 
 def agent_command(run_dir: str | Path, node: str, *options: str) -> list[str]:
@@ -146,7 +149,8 @@ class Agent:
         t0 = time.monotonic()
         try:
             self.workers.execute(cmd)
-            ack = Ack(cmd_id=cmd.cmd_id, ok=True, elapsed_s=time.monotonic() - t0)
+            url = self.workers.engine_url(cmd.worker_id) if cmd.action in _JOINS else None
+            ack = Ack(cmd_id=cmd.cmd_id, ok=True, elapsed_s=time.monotonic() - t0, url=url)
         except Exception as e:  # every failure goes back as a failed ack
             ack = Ack(
                 cmd_id=cmd.cmd_id,

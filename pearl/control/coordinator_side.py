@@ -119,6 +119,7 @@ class CommandResult:
     status: CommandStatus
     error: str | None
     elapsed_s: float
+    url: str | None = None  # the engine's base URL its agent's ack reported (start, wake)
 
 
 class ControlServer:
@@ -285,7 +286,8 @@ class ControlServer:
         elapsed = time.monotonic() - p.sent_s
         if p.ack is not None:
             status = CommandStatus.OK if p.ack.ok else CommandStatus.FAILED
-            return CommandResult(cmd_id, p.agent_id, p.ack.ok, status, p.ack.error, elapsed)
+            ack = p.ack
+            return CommandResult(cmd_id, p.agent_id, ack.ok, status, ack.error, elapsed, ack.url)
         if p.failure is not None:
             lost = CommandStatus.LOST
             return CommandResult(cmd_id, p.agent_id, False, lost, p.failure, elapsed)

@@ -10,17 +10,30 @@ switches or stops it in a later step that depends on the drain. If the plan fail
 worker left drained (its drain succeeded, the step after it did not run or failed) gets an
 ``abort_drain`` command (phase draining -> ready: keep serving in the old role), so an
 aborted plan leaves no worker stuck out of service. Compensations to a lost agent are moot.
+
+A :class:`StepListener` (``execute_plan(..., listener=...)``) hears of each step sent: just
+before its command goes out (``step_started``) and when its result comes, ok or not
+(``step_ended``; a start's or wake's result carries the engine's URL its agent reported),
+and of each compensation's result (``drain_undone``). A step never sent (aborted, or no
+agent for its node) is heard of neither way. The router's is
+``pearl.router.steps_client.RouterSteps`` (docs/router.md, "Plan steps"). The listener is
+called on the plan's thread, so its calls hold the plan up for as long as they take (keep
+them short); one that raises is logged and the plan goes on.
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from pearl.control.coordinator_side import CommandResult, CommandStatus, ControlServer
 from pearl.control.messages import Command, ControlAction
 from pearl.core.plan import Action, PlanStep, TransitionPlan
 
+log = logging.getLogger(__name__)
 DRAINING_ACTIONS = frozenset({Action.DRAIN, Action.MIGRATE})
 
 
@@ -32,6 +45,28 @@ class PlanStepResult:
     error: str | None
     elapsed_s: float
     ended_s: float = 0.0  # when the result came, seconds after the plan started
+    url: str | None = None  # a start's or wake's engine: its base URL, from its agent's ack
+
+    @property
+    def ok(self) -> bool:
+        return self.status is CommandStatus.OK
+
+
+class StepListener(Protocol):
+    """Hears of a plan's steps as :func:`execute_plan` sends them and their results come."""
+
+    def step_started(self, step: PlanStep) -> None:
+        """``step``'s command is about to be sent."""
+        ...
+
+    def step_ended(self, step: PlanStep, result: PlanStepResult) -> None:
+        """``step``'s result came (``result.ok`` or not)."""
+        ...
+
+    def drain_undone(self, step: PlanStep, result: PlanStepResult) -> None:
+        """The ``abort_drain`` of drain (or migrate) ``step`` came back: with
+        ``result.ok`` its worker serves again in its old role."""
+        ...
 
 
 @dataclass
@@ -65,7 +100,10 @@ def execute_plan(
     *,
     deadline_factor: float = 3.0,
     min_deadline_s: float = 5.0,
+    listener: StepListener | None = None,
 ) -> PlanResult:
+    """Run ``plan``'s steps on the agents (the module docstring); ``listener`` hears of
+    each step sent, and of each compensation."""
     t0 = time.monotonic()
     result = PlanResult()
     steps = {s.step_id: s for s in plan.steps}
@@ -108,15 +146,18 @@ def execute_plan(
             batch.append((agent, cmd))
             in_flight[cmd.cmd_id] = step
         if batch:
+            for _, cmd in batch:
+                _tell(listener, "step_started", in_flight[cmd.cmd_id])
             server.send_commands(batch)
             continue  # aborts/dispatches may have unlocked more steps
         if not in_flight:
             break
         for cid, r in server.wait_results(in_flight, any_=True).items():
             step = in_flight.pop(cid)
-            result.steps[step.step_id] = _step_result(step.step_id, r, _since(t0))
+            done = result.steps[step.step_id] = _step_result(step.step_id, r, _since(t0))
+            _tell(listener, "step_ended", step, done)
     if not result.ok:
-        _compensate(server, plan, result, min_deadline_s)
+        _compensate(server, plan, result, min_deadline_s, listener)
     result.elapsed_s = time.monotonic() - t0
     return result
 
@@ -126,11 +167,26 @@ def _since(t0: float) -> float:
 
 
 def _step_result(step_id: int, r: CommandResult, ended_s: float = 0.0) -> PlanStepResult:
-    return PlanStepResult(step_id, r.status, r.agent_id, r.error, r.elapsed_s, ended_s)
+    return PlanStepResult(step_id, r.status, r.agent_id, r.error, r.elapsed_s, ended_s, r.url)
+
+
+def _tell(listener: StepListener | None, method: str, *args: object) -> None:
+    """Call the listener's ``method``; its failure is logged, never the plan's."""
+    if listener is None:
+        return
+    call: Callable[..., None] = getattr(listener, method)
+    try:
+        call(*args)
+    except Exception:
+        log.exception("plan step listener: %s failed (the plan goes on)", method)
 
 
 def _compensate(
-    server: ControlServer, plan: TransitionPlan, result: PlanResult, deadline_s: float
+    server: ControlServer,
+    plan: TransitionPlan,
+    result: PlanResult,
+    deadline_s: float,
+    listener: StepListener | None = None,
 ) -> None:
     left_drained: dict[str, PlanStep] = {}
     for step in plan.steps:  # topological order: the last step on a worker wins
@@ -160,4 +216,5 @@ def _compensate(
     server.send_commands(batch)
     for cid, cr in server.wait_results(cmds).items():
         worker, step = cmds[cid]
-        result.compensations[worker] = _step_result(step.step_id, cr)
+        done = result.compensations[worker] = _step_result(step.step_id, cr)
+        _tell(listener, "drain_undone", step, done)

@@ -6,6 +6,12 @@ peer back into a message and raises :class:`ProtocolError` (a ``ValueError``) na
 offending field on anything else: bad JSON, a foreign version, an unknown type, a missing,
 extra or mistyped field. Nothing received is ever unpickled or evaluated.
 
+When ``v`` changes: a field removed, retyped or given another meaning is a new version. A
+field added with a default (``Hello.workers``, ``Ack.url``) keeps the version: a receiver
+reads a sender's message without it as before, and both ends of a run come from one pearl
+install (allocations start their agents from it), so a receiver that does not know the
+field is an install mixed mid-run, which the strict schema refuses naming the field.
+
 Direction: ``Hello``, ``Ack``, ``Preempted`` go agent -> coordinator; ``Welcome``,
 ``Command`` coordinator -> agent; ``Heartbeat`` and ``Bye`` both ways.
 
@@ -131,6 +137,7 @@ class Ack(_Msg):
     ok: bool
     error: str | None = None
     elapsed_s: float = Field(ge=0)
+    url: str | None = None  # a start's or wake's engine: its base URL, as its agent reaches it
 
 
 class Preempted(_Msg):

@@ -32,7 +32,9 @@ engine); sync_weights changes no phase. A command's changes are recorded once it
 succeeded (a failed one leaves the worker's recorded role and phase as they were), except
 that a worker is ``starting`` while its start waits for ``/health`` and ``stopping`` while
 its process is stopped. A worker still starting cannot be drained or switched: the table
-has no such edge.
+has no such edge. ``engine_url`` is a worker's base URL (``http://HOST:PORT``, ``host``
+127.0.0.1: the engines listen on loopback), which the agent's ack of a start or a wake
+reports for the router.
 """
 
 from __future__ import annotations
@@ -72,6 +74,11 @@ class Workers(Protocol):
     def execute(self, cmd: Command) -> None: ...
     def stop_all(self, budget_s: float) -> None: ...
     def worker_ids(self) -> tuple[str, ...]: ...
+
+    def engine_url(self, worker_id: str) -> str | None:
+        """The base URL of the worker's HTTP server, as the agent reaches it (the one its
+        ``Ack`` of a start or wake reports); None without one."""
+        ...
 
 
 ROLE_CHANGES = frozenset({Action.SWITCH, Action.WAKE, Action.SLEEP, Action.OFFLOAD, Action.ONLOAD})
@@ -166,6 +173,9 @@ class NullWorkers:
     def worker_ids(self) -> tuple[str, ...]:
         return tuple(self.workers)
 
+    def engine_url(self, worker_id: str) -> str | None:
+        return None  # nothing runs
+
 
 def free_ports(n: int) -> list[int]:
     """``n`` distinct ports free on this host now (held open together while chosen)."""
@@ -197,7 +207,7 @@ class ProcessWorkers:
     engine_commands: dict[str, list[str]]  # role (or "*") -> argv template
     gpu_index: dict[str, int]  # GPU id -> local CUDA index
     log_dir: str | None = None
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # where the agent reaches its engines: the URLs its acks report
     procs: dict[str, _Proc] = field(default_factory=dict)
 
     def url(self, worker_id: str, path: str) -> str:
@@ -205,6 +215,9 @@ class ProcessWorkers:
 
     def base_url(self, worker_id: str) -> str:
         return self.url(worker_id, "")
+
+    def engine_url(self, worker_id: str) -> str | None:
+        return self.base_url(worker_id) if worker_id in self.procs else None
 
     def worker_ids(self) -> tuple[str, ...]:
         return tuple(self.procs)

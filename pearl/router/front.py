@@ -12,7 +12,9 @@ chat route applies the model's chat template and parses Hermes-style tool calls,
 engines' own chat route does; generation itself always goes through the router's
 completions, so routing, PD and migration are the same for both. Not supported yet (a
 400 says so): ``stream`` and stop strings. An engine's 4xx comes back as it is; a turn the
-router gave up on is a 503.
+router gave up on is a 503. The coordinator's plan steps reach the instance table through
+the admin routes under ``/pearl/`` (``pearl.router.admin``; ``app.state.plan_steps`` is
+the :class:`~pearl.router.plan_steps.PlanSteps` they apply).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from pearl.engines.client import EngineError
 from pearl.engines.protocol import ChatCompletionRequest, CompletionRequest, error_body, usage
 from pearl.engines.reference.tokenizer import Tokenizer
 from pearl.engines.reference.tool_calls import parse_tool_calls
+from pearl.router.admin import admin_routes
+from pearl.router.plan_steps import PlanSteps
 from pearl.router.router import Router, Sampling, Turn, TurnFailed, TurnOutput
 
 SESSION_HEADER = "x-session-id"
@@ -52,9 +56,13 @@ class Session:
     turns: list[RecordedTurn] = field(default_factory=list)
 
 
-def build_front(router: Router, tokenizer: Tokenizer, model_name: str) -> FastAPI:
+def build_front(
+    router: Router, tokenizer: Tokenizer, model_name: str, steps: PlanSteps | None = None
+) -> FastAPI:
     app = FastAPI(title="pearl router")
     sessions: dict[str, Session] = {}
+    app.state.plan_steps = steps = steps or PlanSteps(router)
+    app.include_router(admin_routes(steps))
 
     @app.exception_handler(EngineError)
     async def _engine_error(_: Request, err: EngineError) -> JSONResponse:
@@ -68,7 +76,8 @@ def build_front(router: Router, tokenizer: Tokenizer, model_name: str) -> FastAP
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, err: RequestValidationError) -> JSONResponse:
         first = err.errors()[0] if err.errors() else {"msg": "invalid request", "loc": ()}
-        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+        loc = () if first.get("type") == "json_invalid" else first.get("loc", ())
+        where = ".".join(str(x) for x in loc if x != "body") or "body"
         return JSONResponse(error_body(f"{where}: {first.get('msg')}", param=where), 400)
 
     def _session(request: Request) -> Session:

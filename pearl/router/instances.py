@@ -156,6 +156,13 @@ class InstanceTable:
         self._touch()
         return inst
 
+    def switching(self, worker_id: str) -> Instance:
+        """A role change under way: out of traffic until :meth:`switch`."""
+        inst = self.get(worker_id)
+        inst.phase = Phase.SWITCHING
+        self._touch()
+        return inst
+
     def switch(self, worker_id: str, role: Role) -> None:
         """A role change (after a drain): a routing change for a ``kv_both`` engine."""
         inst = self.get(worker_id)

@@ -315,7 +315,12 @@ class Router:
     async def migrate(self, worker_id: str, timeout_s: float | None = None) -> int:
         """Drain ``worker_id`` and abort its requests in flight: each comes back with its
         tokens so far and :meth:`generate` continues it elsewhere. The requests aborted."""
-        inst = self.table.drain(worker_id)
+        return await self.abort_in_flight(self.table.drain(worker_id), timeout_s)
+
+    async def abort_in_flight(self, inst: Instance, timeout_s: float | None = None) -> int:
+        """Abort ``inst``'s requests in flight until none is left (it takes no new ones:
+        draining, switching or out of the table); each comes back with its tokens so far
+        and :meth:`generate` continues it elsewhere. The requests aborted."""
         aborted: set[str] = set()
 
         async def abort_until_idle() -> None:

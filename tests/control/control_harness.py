@@ -4,6 +4,9 @@ Run as ``mpiexec -n 1 python tests/control/control_harness.py RUN_DIR``. Each st
 an op; each answer is one JSON line on stdout:
 ``{"op": "wait", "n": N}`` -> agents; ``{"op": "agents"}`` -> all agents with state;
 ``{"op": "execute", "steps": [...]}`` -> step results; ``{"op": "events"}``; ``{"op": "quit"}``.
+With ``"listen": "record"`` (or ``"raise"``: each call raises once recorded) the plan runs
+with a listener, and the answer's ``heard`` lists its calls in order:
+``[method, step_id, action, worker_id, status or null, url or null]``.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import os
 import sys
 
 from pearl.control.coordinator_side import ControlServer
-from pearl.control.execute import execute_plan
+from pearl.control.execute import PlanStepResult, execute_plan
 from pearl.core.pd import PDConfig
 from pearl.core.plan import Action, PlanStep, Target, TransitionPlan
 from pearl.core.roles import Role
@@ -38,6 +41,30 @@ def _plan(steps: list[dict[str, object]]) -> TransitionPlan:
             )
         )
     return TransitionPlan(Target(PDConfig()), tuple(out))
+
+
+class Recorder:
+    """A ``StepListener`` that writes down every call (and, with ``raises``, fails it)."""
+
+    def __init__(self, raises: bool) -> None:
+        self.raises = raises
+        self.heard: list[list[object]] = []
+
+    def _heard(self, method: str, step: PlanStep, r: PlanStepResult | None) -> None:
+        status = None if r is None else r.status.value
+        url = None if r is None else r.url
+        self.heard.append([method, step.step_id, step.action.value, step.worker_id, status, url])
+        if self.raises:
+            raise RuntimeError(f"listener {method} broke")
+
+    def step_started(self, step: PlanStep) -> None:
+        self._heard("step_started", step, None)
+
+    def step_ended(self, step: PlanStep, result: PlanStepResult) -> None:
+        self._heard("step_ended", step, result)
+
+    def drain_undone(self, step: PlanStep, result: PlanStepResult) -> None:
+        self._heard("drain_undone", step, result)
 
 
 def main() -> int:
@@ -66,14 +93,20 @@ def main() -> int:
         elif op == "events":
             ans = server.events()
         elif op == "execute":
+            listen = req.get("listen")
+            listener = None if listen is None else Recorder(raises=listen == "raise")
             res = execute_plan(
-                server, _plan(req["steps"]), min_deadline_s=req.get("min_deadline_s", 5.0)
+                server,
+                _plan(req["steps"]),
+                min_deadline_s=req.get("min_deadline_s", 5.0),
+                listener=listener,
             )
             ans = {
                 "ok": res.ok,
                 "elapsed_s": res.elapsed_s,
                 "steps": {str(k): v.__dict__ for k, v in res.steps.items()},
                 "compensations": {k: v.__dict__ for k, v in res.compensations.items()},
+                "heard": None if listener is None else listener.heard,
             }
         elif op == "quit":
             server.close()

@@ -347,3 +347,60 @@ def test_an_illegal_command_is_a_failed_step_and_the_agent_serves_on(
         assert coord.call("agents")["a0"]["state"] == "alive"
     finally:
         stop_all(procs)
+
+
+def test_the_plan_listener_hears_each_step_sent_in_order(
+    coord: Coordinator, tmp_path: Path
+) -> None:
+    """``execute_plan(..., listener=...)``: each step sent is heard just before its command
+    goes out and when its result comes (a start's and a wake's with the engine's URL from
+    the agent's ack); a step never sent is not heard; a compensation is heard as
+    ``drain_undone``; a listener that raises breaks no plan."""
+    procs = [start_agent(tmp_path, "a0", "n0", "--gpus", "0", *fake_engine_args())]
+    try:
+        coord.call("wait", n=1)
+        e0 = {"worker_id": "e0", "node": "n0"}
+        steps: list[dict[str, object]] = [
+            {"step_id": 0, "action": "start", **e0, "role": "colocated", "gpu_ids": ["n0/0"]},
+            {"step_id": 1, "action": "drain", **e0, "depends_on": [0]},
+            {"step_id": 2, "action": "switch", **e0, "role": "decode", "depends_on": [1]},
+            {"step_id": 3, "action": "sleep", **e0, "role": "idle", "depends_on": [2]},
+            {"step_id": 4, "action": "wake", **e0, "role": "decode", "depends_on": [3]},
+            {"step_id": 5, "action": "sleep", "worker_id": "x", "node": "nowhere"},
+        ]
+        for s in steps:
+            s["duration_s"] = 5.0
+        res = coord.call("execute", steps=steps, listen="record")
+        assert [res["steps"][str(k)]["status"] for k in range(6)] == [*["ok"] * 5, "lost"]
+        url = res["steps"]["0"]["url"]
+        assert url.startswith("http://127.0.0.1:") and res["steps"]["4"]["url"] == url
+        actions = ["start", "drain", "switch", "sleep", "wake"]
+        expected = []
+        for sid, action in enumerate(actions):
+            step_url = url if action in ("start", "wake") else None
+            expected += [
+                ["step_started", sid, action, "e0", None, None],
+                ["step_ended", sid, action, "e0", "ok", step_url],
+            ]
+        assert res["heard"] == expected
+        # a failed plan: the drain is undone, and a listener that raises changes nothing
+        res = coord.call(
+            "execute",
+            steps=[
+                {"step_id": 0, "action": "drain", **e0},
+                {"step_id": 1, "action": "sleep", "worker_id": "x", "node": "nowhere"},
+                {"step_id": 2, "action": "switch", **e0, "role": "prefill", "depends_on": [0, 1]},
+            ],
+            listen="raise",
+        )
+        assert [res["steps"][k]["status"] for k in "012"] == ["ok", "lost", "aborted"]
+        assert res["compensations"]["e0"]["status"] == "ok"
+        assert res["heard"] == [
+            ["step_started", 0, "drain", "e0", None, None],
+            ["step_ended", 0, "drain", "e0", "ok", None],
+            ["drain_undone", 0, "drain", "e0", "ok", None],
+        ]
+        res = coord.call("execute", steps=[{"step_id": 0, "action": "stop", **e0}], listen="raise")
+        assert res["ok"] and [h[0] for h in res["heard"]] == ["step_started", "step_ended"]
+    finally:
+        stop_all(procs)

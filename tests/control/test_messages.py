@@ -44,6 +44,7 @@ ALL = [
         cmd_id="c2", step_id=4, action=ControlAction.ABORT_DRAIN, worker_id="w", deadline_s=5.0
     ),
     Ack(cmd_id="c1", ok=False, error="boom", elapsed_s=0.1),
+    Ack(cmd_id="c3", ok=True, elapsed_s=2.5, url="http://127.0.0.1:8000"),  # a start's
     Preempted(grace_s=30.0, signal="SIGUSR2"),
     Bye(reason="done"),
 ]
@@ -100,6 +101,12 @@ def test_malformed_messages_name_the_problem(raw: bytes, needle: str) -> None:
     assert needle in str(e.value)
     assert "\n" not in str(e.value)  # one line
     assert isinstance(e.value, ValueError)
+
+
+def test_an_ack_without_a_url_reads_as_none() -> None:
+    """``Ack.url`` was added with a default (the version stays, messages.py's rule)."""
+    ack = decode(b'{"v": 1, "type": "ack", "cmd_id": "c", "ok": true, "elapsed_s": 0}')
+    assert isinstance(ack, Ack) and ack.url is None
 
 
 @pytest.mark.parametrize("action", COMMAND_ACTIONS, ids=str)

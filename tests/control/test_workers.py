@@ -298,6 +298,28 @@ def test_an_illegal_command_is_a_failed_ack_and_the_agent_goes_on(tmp_path: Path
     assert acks[1].error.startswith("TransitionError: w0 already runs (ready)")
 
 
+def test_the_ack_of_a_start_or_a_wake_carries_the_engines_url(tmp_path: Path) -> None:
+    workers = ProcessWorkers({"*": FAKE}, {"n0/0": 0})
+    agent = Agent(tmp_path, "a0", "n0", [], workers)
+    try:
+        for cmd in (
+            _cmd(A.START, role=R.DECODE, gpu_ids=("n0/0",)),
+            _cmd(A.SLEEP, role=R.IDLE),
+            _cmd(A.WAKE, role=R.DECODE),
+            _cmd(A.DRAIN),
+        ):
+            agent._run_cmd(cmd)
+        acks = [agent._acks.get_nowait() for _ in range(4)]
+        assert all(a.ok for a in acks), acks
+        url = workers.base_url("w0")
+        assert url.startswith("http://127.0.0.1:")
+        assert [a.url for a in acks] == [url, None, url, None]
+        assert NullWorkers().engine_url("w0") is None
+    finally:
+        workers.stop_all(5.0)
+        agent._pool.shutdown()
+
+
 def test_an_engine_whose_agent_is_gone_before_it_starts_does_not_start(tmp_path: Path) -> None:
     """The wrapper checks that its parent is still the one that started it once the
     parent-death signal is armed: if the agent died first, the engine never runs."""

@@ -9,8 +9,6 @@ migrations must not change a token, lose a turn or generate a token twice."""
 from __future__ import annotations
 
 import asyncio
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,12 +17,19 @@ import pytest
 pytest.importorskip("torch")
 
 from engine_procs import EngineProc, start_engine, wait_healthy
+from router_turns import (
+    GREEDY,
+    Turns,
+    check_greedy,
+    direct,
+    router_over,
+    serving_front,
+    trajectory,
+)
 
 from pearl.core.roles import Role
 from pearl.engines.client import EngineClient
 from pearl.router.router import Router, Sampling, Turn
-
-GREEDY = Sampling(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -41,50 +46,12 @@ def engines(
             p.stop()
 
 
-def _router(engines: list[EngineProc], roles: list[Role]) -> Router:
-    r = Router()
-    for e, role in zip(engines, roles, strict=True):
-        r.table.add(e.name, e.url, role)
-        r.table.ready(e.name)
-    return r
-
-
-async def _direct(url: str, prompt: list[int], max_tokens: int) -> list[int]:
-    async with EngineClient(url) as c:
-        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
-        body |= {"ignore_eos": True, "return_token_ids": True}
-        resp = await c.completions(body)
-    return [int(t) for t in resp["choices"][0]["token_ids"]]
-
-
-Turns = list[tuple[list[int], list[int], list[str]]]  # prompt, output, where each part ran
-
-
-async def _trajectory(
-    r: Router, traj: str, first: list[int], turns: int, sampling: Sampling = GREEDY
-) -> Turns:
-    """``turns`` turns; each prompt is the last one + its output + a short observation.
-    Where a turn ran lists its prefill instance (disaggregated) and its decode ones."""
-    prompt, out = list(first), []
-    for t in range(turns):
-        got = await r.generate(Turn(traj, tuple(prompt), sampling, f"{traj}-{t}"))
-        out.append((prompt, got.token_ids, [*got.prefilled_by, *got.served_by]))
-        prompt = [*prompt, *got.token_ids, 11, 12 + t]
-    r.forget(traj)
-    return out
-
-
-def _check_greedy(url: str, turns: Turns) -> None:
-    for prompt, tokens, _ in turns:
-        assert tokens == asyncio.run(_direct(url, prompt, len(tokens))), "a token changed"
-
-
 def test_colocated_turns_stay_home_and_match_a_direct_run(engines: list[EngineProc]) -> None:
     async def run() -> list[Turns]:
-        r = _router(engines[:2], [Role.COLOCATED, Role.COLOCATED])
+        r = router_over(engines[:2], [Role.COLOCATED, Role.COLOCATED])
         try:
             return await asyncio.gather(
-                *(_trajectory(r, f"c{i}", [5 + i, 6, 7, 8], 3) for i in range(4))
+                *(trajectory(r, f"c{i}", [5 + i, 6, 7, 8], 3) for i in range(4))
             )
         finally:
             await r.aclose()
@@ -96,7 +63,7 @@ def test_colocated_turns_stay_home_and_match_a_direct_run(engines: list[EnginePr
         assert len(served) == 1, f"a trajectory left its home: {turns}"
         homes |= served
         assert all(len(tokens) == GREEDY.max_tokens for _, tokens, _ in turns)
-        _check_greedy(engines[0].url, turns)
+        check_greedy(engines[0].url, turns)
     assert homes == {"e0", "e1"}  # first turns spread over both (least loaded)
 
 
@@ -104,11 +71,11 @@ def test_a_disaggregated_turn_prefills_on_one_and_decodes_on_another(
     engines: list[EngineProc],
 ) -> None:
     async def run() -> tuple[Turns, float, float]:
-        r = _router(engines[:2], [Role.PREFILL, Role.DECODE])
+        r = router_over(engines[:2], [Role.PREFILL, Role.DECODE])
         async with EngineClient(engines[1].url) as c:
             before = (await c.metrics()).get("pearl:prompt_tokens_computed_total", 0.0)
             try:
-                turns = await _trajectory(r, "d0", [9, 8, 7, 6, 5, 4, 3, 2, 1], 2)
+                turns = await trajectory(r, "d0", [9, 8, 7, 6, 5, 4, 3, 2, 1], 2)
             finally:
                 await r.aclose()
             after = (await c.metrics()).get("pearl:prompt_tokens_computed_total", 0.0)
@@ -117,7 +84,7 @@ def test_a_disaggregated_turn_prefills_on_one_and_decodes_on_another(
     turns, before, after = asyncio.run(run())
     assert all(by == ["e0", "e1"] for _, _, by in turns)  # prefilled on e0, decoded on e1
     assert after == before  # and computed no prompt token: the KV came from e0
-    _check_greedy(engines[2].url, turns)
+    check_greedy(engines[2].url, turns)
 
 
 def test_a_pd_change_under_load_loses_nothing(engines: list[EngineProc]) -> None:
@@ -131,10 +98,10 @@ def test_a_pd_change_under_load_loses_nothing(engines: list[EngineProc]) -> None
             await asyncio.sleep(0.01)
 
     async def run() -> list[Turns]:
-        r = _router(engines[:2], [Role.COLOCATED, Role.COLOCATED])
+        r = router_over(engines[:2], [Role.COLOCATED, Role.COLOCATED])
         sampling = Sampling(max_tokens=16, temperature=0.0, ignore_eos=True)
         load = [
-            asyncio.ensure_future(_trajectory(r, f"m{i}", [20 + i, 3, 4], 6, sampling))
+            asyncio.ensure_future(trajectory(r, f"m{i}", [20 + i, 3, 4], 6, sampling))
             for i in range(8)
         ]
         try:
@@ -156,7 +123,7 @@ def test_a_pd_change_under_load_loses_nothing(engines: list[EngineProc]) -> None
     assert ["e0", "e1"] in where, "no turn ran disaggregated"
     assert any(len(by) == 1 for by in where), "no turn ran colocated"
     for turns in trajs:
-        _check_greedy(engines[2].url, turns)
+        check_greedy(engines[2].url, turns)
 
 
 def test_migration_continues_a_turn_elsewhere_with_the_same_tokens(
@@ -166,7 +133,7 @@ def test_migration_continues_a_turn_elsewhere_with_the_same_tokens(
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
 
     async def run() -> tuple[list[int], list[str], int, int]:
-        r = _router(engines[:1], [Role.COLOCATED])
+        r = router_over(engines[:1], [Role.COLOCATED])
         try:
             task = asyncio.ensure_future(r.generate(Turn("g0", tuple(prompt), long, "g0-0")))
             await asyncio.sleep(0.05)
@@ -183,41 +150,22 @@ def test_migration_continues_a_turn_elsewhere_with_the_same_tokens(
 
     tokens, served_by, continuations, aborted = asyncio.run(run())
     assert aborted == 1 and continuations == 1 and served_by == ["e0", "e1"]
-    assert tokens == asyncio.run(_direct(engines[2].url, prompt, 1200))
+    assert tokens == asyncio.run(direct(engines[2].url, prompt, 1200))
 
 
 def test_an_openai_sdk_agent_runs_through_the_front(
     engines: list[EngineProc], tiny_model_dir: Path
 ) -> None:
     openai = pytest.importorskip("openai")
-    import uvicorn
+    import httpx
 
-    from pearl.control.workers import free_port
     from pearl.engines.reference.tokenizer import load
-    from pearl.router.front import build_front
 
-    port = free_port()
-    holder: dict[str, object] = {}
+    def make() -> Router:
+        return router_over(engines[:2], [Role.COLOCATED, Role.COLOCATED])
 
-    def serve() -> None:
-        async def main() -> None:
-            r = _router(engines[:2], [Role.COLOCATED, Role.COLOCATED])
-            app = build_front(r, load(tiny_model_dir), "tiny")
-            server = uvicorn.Server(uvicorn.Config(app, port=port, log_level="warning"))
-            holder["server"] = server
-            await server.serve()
-            await r.aclose()
-
-        asyncio.run(main())
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    try:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
-        end = time.monotonic() + 20
-        while "server" not in holder or not holder["server"].started:  # type: ignore[attr-defined]
-            assert time.monotonic() < end
-            time.sleep(0.05)
+    with serving_front(make, load(tiny_model_dir)) as front:
+        client = openai.OpenAI(base_url=f"{front.url}/v1", api_key="none")
         messages = [{"role": "user", "content": "What is two plus two?"}]
         headers = {"X-Session-Id": "sdk-1"}
         for _ in range(2):
@@ -233,17 +181,10 @@ def test_an_openai_sdk_agent_runs_through_the_front(
                 {"role": "assistant", "content": resp.choices[0].message.content or ""},
                 {"role": "user", "content": "and then?"},
             ]
-        import httpx
-
-        record = httpx.delete(f"http://127.0.0.1:{port}/sessions/sdk-1").json()
-        assert len(record["turns"]) == 2
-        for turn in record["turns"]:
-            assert 0 < len(turn["token_ids"]) <= 8
-            assert len(turn["logprobs"]) == len(turn["token_ids"]) == len(turn["versions"])
-        # the second turn's prompt starts with the first turn's: one session, one home
-        assert record["turns"][0]["served_by"] == record["turns"][1]["served_by"]
-    finally:
-        server = holder.get("server")
-        if server is not None:
-            server.should_exit = True  # type: ignore[attr-defined]
-        thread.join(timeout=10)
+        record = httpx.delete(f"{front.url}/sessions/sdk-1").json()
+    assert len(record["turns"]) == 2
+    for turn in record["turns"]:
+        assert 0 < len(turn["token_ids"]) <= 8
+        assert len(turn["logprobs"]) == len(turn["token_ids"]) == len(turn["versions"])
+    # the second turn's prompt starts with the first turn's: one session, one home
+    assert record["turns"][0]["served_by"] == record["turns"][1]["served_by"]

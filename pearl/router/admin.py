@@ -1,0 +1,52 @@
+"""The router's admin routes, mounted by the front (``pearl.router.front``):
+
+- ``POST /pearl/plan_steps``: one phase of one plan step (``pearl.router.plan_steps.
+  StepUpdate``: ``{phase: "start"|"end", action, worker_id, role, url, ok}``), applied to
+  the instance table; 200 ``{"applied": EFFECT or null, "note": ...}``. A body that is not
+  such an update is a 400 in vLLM's error shape, ``param`` naming the field (the front's
+  handler for the fields' own checks; here for an update that cannot be applied, such as
+  the end of a start without the engine's URL).
+- ``GET /pearl/instances``: the table, ``{"instances": [{worker_id, url, role, phase,
+  in_flight}, ...]}``.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse
+
+from pearl.engines.protocol import error_body
+from pearl.router.plan_steps import PlanSteps, StepUpdate
+
+
+def admin_routes(steps: PlanSteps) -> APIRouter:
+    api = APIRouter(prefix="/pearl")
+
+    @api.post("/plan_steps")
+    async def plan_step(body: StepUpdate) -> JSONResponse:
+        problem = body.problem()
+        if problem is not None:
+            field, why = problem
+            return JSONResponse(error_body(f"{field}: {why}", param=field), 400)
+        applied = steps.apply(body)
+        effect = None if applied.effect is None else applied.effect.value
+        return JSONResponse({"applied": effect, "note": applied.note})
+
+    @api.get("/instances")
+    async def instances() -> JSONResponse:
+        return JSONResponse(
+            {
+                "instances": [
+                    {
+                        "worker_id": i.worker_id,
+                        "url": i.url,
+                        "role": i.role.value,
+                        "phase": i.phase.value,
+                        "in_flight": i.load,
+                    }
+                    for i in steps.table
+                ]
+            }
+        )
+
+    return api

@@ -1,0 +1,95 @@
+"""The coordinator's side of the router's plan-step route: :class:`RouterSteps`, a
+``pearl.control.execute.StepListener`` that posts each phase of each plan step the router
+acts on (``pearl.router.plan_steps.concerns_router``) to ``ROUTER/pearl/plan_steps``.
+
+``execute_plan(server, plan, listener=RouterSteps(url))`` calls it on the plan's thread
+just before a step's command goes out and when its result comes, so each post holds the
+plan up: it has a short timeout, and a failed post (the router down, slow, or refusing the
+update) is logged and dropped. The plan never waits on the router for longer than that,
+and never fails because of it; a router that missed a step is out of step with the plan
+until the next one on that worker.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+from pearl.control.messages import ControlAction
+from pearl.core.plan import PlanStep
+from pearl.router.plan_steps import StepPhase, concerns_router
+
+if TYPE_CHECKING:
+    from pearl.control.execute import PlanStepResult
+
+log = logging.getLogger(__name__)
+PLAN_STEPS_PATH = "/pearl/plan_steps"
+
+
+class RouterSteps:
+    def __init__(
+        self, router_url: str, *, timeout_s: float = 2.0, client: httpx.Client | None = None
+    ) -> None:
+        self.url = router_url.rstrip("/") + PLAN_STEPS_PATH
+        self.timeout_s = timeout_s
+        self._client = client or httpx.Client(timeout=timeout_s)
+        self.dropped = 0  # posts that failed
+
+    def close(self) -> None:
+        self._client.close()
+
+    def __enter__(self) -> RouterSteps:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    # -- StepListener ------------------------------------------------------------------
+
+    def step_started(self, step: PlanStep) -> None:
+        self._step(step, "start", None, True)
+
+    def step_ended(self, step: PlanStep, result: PlanStepResult) -> None:
+        self._step(step, "end", result.url, result.ok)
+
+    def drain_undone(self, step: PlanStep, result: PlanStepResult) -> None:
+        self.post(
+            {
+                "phase": "end",
+                "action": ControlAction.ABORT_DRAIN.value,
+                "worker_id": step.worker_id,
+                "ok": result.ok,
+            }
+        )
+
+    # -- posting -----------------------------------------------------------------------
+
+    def _step(self, step: PlanStep, phase: StepPhase, url: str | None, ok: bool) -> None:
+        if not concerns_router(step.action, phase):
+            return
+        body = {
+            "phase": phase,
+            "action": step.action.value,
+            "worker_id": step.worker_id,
+            "role": None if step.role is None else step.role.value,
+            "url": url,
+            "ok": ok,
+        }
+        self.post(body)
+
+    def post(self, body: dict[str, Any]) -> dict[str, Any] | None:
+        """Post one update; its answer, or None (logged and dropped) if it failed."""
+        what = f"{body.get('action')} {body.get('phase')} of {body.get('worker_id')}"
+        try:
+            resp = self._client.post(self.url, json=body, timeout=self.timeout_s)
+            if resp.status_code == 200:
+                answer: dict[str, Any] = resp.json()
+                return answer
+            why = f"HTTP {resp.status_code}: {resp.text[:500]}"
+        except (httpx.HTTPError, ValueError) as err:
+            why = f"{type(err).__name__}: {err}"
+        self.dropped += 1
+        log.warning("router %s: %s dropped: %s", self.url, what, why)
+        return None
