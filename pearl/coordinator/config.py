@@ -52,6 +52,12 @@ class AgentSection(Frozen):
         "directory, ...), rendered into the agents' commands. Exclusive with engines.",
     )
     null_workers: bool = Field(False, description="Record commands without engines.")
+    router_url: str | None = Field(
+        None,
+        description="The router's front (http://HOST:PORT), told of every plan step so that "
+        "its instance table follows the plan (docs/router.md, 'Plan steps'); None: no router.",
+        pattern=r"^https?://[^\s/]+(/.*)?$",
+    )
     grace_s: PosFloat = Field(30.0, description="Time an agent has to drain on preemption.")
     join_timeout_s: PosFloat = Field(
         300.0, description="A granted allocation whose agents have not joined by then is released."

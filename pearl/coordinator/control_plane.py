@@ -19,24 +19,32 @@ from pearl.io.atomic import write_text_atomic
 
 if TYPE_CHECKING:
     from pearl.control.coordinator_side import ControlServer
+    from pearl.router.steps_client import RouterSteps
 
 
 class MpiControl:
-    def __init__(self, server: ControlServer) -> None:
+    def __init__(self, server: ControlServer, router: RouterSteps | None = None) -> None:
         self.server = server
+        self.router = router  # told of every plan step (None: no router to tell)
 
     @classmethod
-    def open(cls, run_dir: Path) -> MpiControl:
-        """The control server of ``run_dir``, open (MPI initialised, port file written)."""
+    def open(cls, run_dir: Path, router_url: str | None = None) -> MpiControl:
+        """The control server of ``run_dir``, open (MPI initialised, port file written),
+        and the router at ``router_url`` told of the plans' steps."""
         from pearl.control.coordinator_side import ControlServer  # initialises MPI
 
-        return cls(ControlServer.open(run_dir))
+        router = None
+        if router_url is not None:
+            from pearl.router.steps_client import RouterSteps
+
+            router = RouterSteps(router_url)
+        return cls(ControlServer.open(run_dir), router)
 
     def execute(self, plan: TransitionPlan) -> PlanOutcome:
         from pearl.control.coordinator_side import CommandStatus
         from pearl.control.execute import execute_plan
 
-        result = execute_plan(self.server, plan)
+        result = execute_plan(self.server, plan, listener=self.router)
         steps = tuple(
             StepOutcome(
                 r.step_id,
@@ -78,6 +86,8 @@ class MpiControl:
 
     def close(self) -> None:
         self.server.close()
+        if self.router is not None:
+            self.router.close()
 
 
 def write_agents(path: Path, agents: list[dict[str, Any]]) -> None:

@@ -81,7 +81,8 @@ def run_job(config_path: str, max_runtime_s: float | None = None) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGUSR2):
         signal.signal(sig, on_signal)
-    control = MpiControl.open(run_dir) if config.agents is not None else None
+    agents = config.agents
+    control = MpiControl.open(run_dir, agents.router_url) if agents is not None else None
     try:
         coordinator = Coordinator.open(
             config,
