@@ -320,3 +320,15 @@ def test_a_plan_that_raises_leaves_no_plan_running(tmp_path: Path) -> None:
     finally:
         coordinator.close()
     assert '"action":"release"' not in (run_dir / "journal.jsonl").read_text()
+
+
+def test_agents_router_url_is_checked(tmp_path: Path) -> None:
+    """``agents.router_url`` names the router told of every plan step; a value that is not
+    an http(s) URL is refused at load with the field named."""
+    from pearl.coordinator.config import load_config
+    from pearl.io.documents import InputError
+
+    config, _ = load_config(_config(tmp_path, agents={"router_url": "http://10.0.0.5:8000"}))
+    assert config.agents is not None and config.agents.router_url == "http://10.0.0.5:8000"
+    with pytest.raises(InputError, match="router_url"):
+        load_config(_config(tmp_path, agents={"router_url": "10.0.0.5:8000"}))
