@@ -2,8 +2,11 @@
 
 The ledger keeps the books (admission, groups, batches, versions, the staleness bound);
 this module keeps what only a simulator has: each trajectory's sampled future (its
-``TrajectorySpec``), its turn, context and requests, and the turn statistics a
-coordinator would observe.
+``TrajectorySpec``), its turn, context and requests. What a coordinator's predictor would
+observe (the turn statistics, a running tool's time left, each trajectory's progress, the
+snapshot) is ``pearl.rollout.observed``, which the real rollout manager runs too: this
+module reports every completed turn, tool step and finished trajectory to its
+``TurnObserver`` and builds the snapshot with that module's ``progress`` and ``snapshot``.
 
 Trajectory ``j`` of the seeded stream (``trajectory_stream``) is sample ``j % g`` of group
 ``j // g`` (g = ``group_size``); a group's samples share its first sample's prompt length.
@@ -26,25 +29,20 @@ any other request of it is stale and ignored).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from pearl.core.workload import (
-    NextBatch,
-    TrajectoryProgress,
-    TrajPhase,
-    TurnStats,
-    WorkloadSnapshot,
-)
+from pearl.core.workload import TrajPhase, WorkloadSnapshot
+from pearl.rollout import observed
 from pearl.rollout.ledger import ConsumedBatch, PastBoundOutcome, RolloutLedger
+from pearl.rollout.observed import TurnObserver
 from pearl.rollout.rules import Batching, RolloutRules
 from pearl.serving.requests import Request
 from pearl.sim.trajectories import TrajectoryModel, TrajectorySpec, sample_trajectories
 
 _CHUNK = 256  # trajectories drawn from the seeded stream at a time
-MIN_OBSERVED = 32  # turns observed before the run's own statistics replace the defaults
 
 
 @dataclass
@@ -96,20 +94,11 @@ class Rollout:
     in_flight: dict[str, Trajectory] = field(default_factory=dict)
     waiting: dict[str, Trajectory] = field(default_factory=dict)  # finished, not consumed
     batches: dict[int, BatchRecord] = field(default_factory=dict)
+    # what a coordinator observes: every completed turn, tool step and finished
+    # trajectory (dropped ones included)
+    observer: TurnObserver = field(default_factory=TurnObserver)
     num_started: int = 0
-    num_finished: int = 0  # trajectories whose last turn ended (dropped ones included)
-    output_tokens: int = 0  # of completed turns
     aborted_tokens: int = 0  # of turns aborted by a restart or a drop
-    turns_done: int = 0
-    sum_output_tokens: int = 0
-    sum_observation_tokens: int = 0
-    sum_env_s: float = 0.0
-    sumsq_output_tokens: float = 0.0
-    sumsq_env_s: float = 0.0
-    env_steps: int = 0
-    env_latencies_s: list[float] = field(default_factory=list)  # observed tool latencies
-    sum_turns: int = 0  # of finished trajectories
-    sumsq_turns: int = 0
     _stream: Iterator[TrajectorySpec] | None = None
     _restarts: Iterator[TrajectorySpec] | None = None
 
@@ -121,6 +110,11 @@ class Rollout:
     @property
     def in_order(self) -> bool:
         return self.rules.batching is Batching.IN_ORDER
+
+    @property
+    def output_tokens(self) -> int:
+        """Of completed turns."""
+        return self.observer.sum_output_tokens
 
     # --- admission -------------------------------------------------------------------------
 
@@ -176,22 +170,15 @@ class Rollout:
         self._attribute(traj, out, version)
         traj.context_tokens += out
         traj.generated_tokens = traj.attributed_tokens = 0
-        self.output_tokens += out
-        self.turns_done += 1
-        self.sum_output_tokens += out
-        self.sumsq_output_tokens += out * out
+        self.observer.turn_ended(out)
         last = traj.turn + 1 == traj.spec.num_turns
         self.ledger.turn_ended(traj.traj_id, now_s, last)
         if last:
             return None
         latency_s = traj.spec.tool_latency_s[traj.turn]
-        self.sum_env_s += latency_s
-        self.sumsq_env_s += latency_s * latency_s
-        self.env_steps += 1
-        self.env_latencies_s.append(latency_s)
         traj.turn += 1
         new = traj.spec.new_tokens[traj.turn]
-        self.sum_observation_tokens += new
+        self.observer.env_step(latency_s, new)
         traj.context_tokens += new
         traj.phase = TrajPhase.ENV
         traj.env_started_s = now_s
@@ -201,9 +188,7 @@ class Rollout:
         """Its last turn ended; the batch record it completed, if any."""
         del self.in_flight[traj.traj_id]
         self.waiting[traj.traj_id] = traj
-        self.num_finished += 1
-        self.sum_turns += traj.spec.num_turns
-        self.sumsq_turns += traj.spec.num_turns**2
+        self.observer.trajectory_finished(traj.spec.num_turns)
         if not self.in_order:
             return self.completed(now_s)
         batch_id = traj.index // self.rules.batch_trajectories
@@ -287,7 +272,10 @@ class Rollout:
         update_left_s: float = 0.0,
     ) -> WorkloadSnapshot:
         """The running trajectories as the predictor sees them, and those the rules admit
-        once the weights are ``version`` (``update_left_s`` from now, when an update runs).
+        once the weights are ``version`` (``update_left_s`` from now, when an update runs):
+        ``pearl.rollout.observed``'s rules over what a coordinator would know of each
+        trajectory (its turns done, its context, how long its tool has run), not its
+        sampled future.
 
         In-order batches ask the old question with the old snapshot (so their runs stay as
         they were): every trajectory, a tool's time left its mean less the time spent, and
@@ -295,97 +283,27 @@ class Rollout:
         ask for the next batch (``NextBatch``): trajectories carry their groups; a tool's
         time left is the mean of the observed latencies longer than the time spent, less
         that time; and what the update will admit begins ``update_left_s`` from now."""
+        obs = self.observer
         if self.in_order:
-            mean_env_s = self.sum_env_s / self.env_steps if self.env_steps else self.mean_env_s
-            progress = [
-                self._progress(t, now_s, turns_left, lambda a: max(mean_env_s - a, 0.0), False)
-                for t in self.in_flight.values()
-            ]
-            return WorkloadSnapshot(
-                trajectories=tuple(progress),
-                not_started=self.startable(version),
-                stats=self.turn_stats(),
-            )
-        tool_left = self._tool_left()
+            tool_left = observed.mean_tool_left(obs.mean_env_s(self.mean_env_s))
+        else:
+            tool_left = obs.tool_left(self.mean_env_s)
+        grouped = not self.in_order
         progress = [
-            self._progress(t, now_s, turns_left, tool_left, True) for t in self.in_flight.values()
+            observed.progress(
+                t.traj_id,
+                t.phase,
+                t.context_tokens + t.generated_tokens,
+                t.generated_tokens,
+                t.turn,
+                now_s - t.env_started_s,
+                f"g{t.group_id}" if grouped else None,
+                turns_left,
+                tool_left,
+            )
+            for t in self.in_flight.values()
         ]
-        needed = self.ledger.groups_needed()
-        return WorkloadSnapshot(
-            trajectories=tuple(progress),
-            not_started=self.startable(version),
-            stats=self.turn_stats(),
-            next_batch=NextBatch(
-                groups_needed=needed,
-                group_size=self.rules.group_size,
-                not_started_after_s=update_left_s,
-            ),
-        )
-
-    def _tool_left(self) -> Callable[[float], float]:
-        """A running tool call's expected time left given the time it has run: the mean of
-        the observed latencies longer than that, less it (the calls still running are the
-        long ones); the model's mean less it until 32 calls were observed."""
-        if self.env_steps < MIN_OBSERVED:
-            return lambda a: max(self.mean_env_s - a, 0.0)
-        lat = np.sort(np.asarray(self.env_latencies_s))
-        longer = np.concatenate([np.cumsum(lat[::-1])[::-1], [0.0]])  # sums of lat[k:]
-
-        def left(a: float) -> float:
-            k = int(np.searchsorted(lat, a, "right"))
-            n = len(lat) - k
-            return max(float(longer[k]) / n - a, 0.0) if n else 0.0
-
-        return left
-
-    def turn_stats(self) -> TurnStats | None:
-        """What the run observed so far: per-turn means once 32 turns have ended, and the
-        spreads once 32 tool calls and 16 trajectories have (the straggler estimate)."""
-        n = self.turns_done
-        if n < MIN_OBSERVED:
-            return None
-        spread = self.env_steps >= MIN_OBSERVED and self.num_finished >= MIN_OBSERVED // 2
-        return TurnStats(
-            output_tokens_per_turn=self.sum_output_tokens / n,
-            observation_tokens_per_turn=self.sum_observation_tokens / max(self.env_steps, 1),
-            env_latency_s=self.sum_env_s / max(self.env_steps, 1),
-            output_tokens_sd=_sd(self.sum_output_tokens, self.sumsq_output_tokens, n)
-            if spread
-            else None,
-            env_latency_sd_s=_sd(self.sum_env_s, self.sumsq_env_s, self.env_steps)
-            if spread
-            else None,
-            turns_cv=_sd(self.sum_turns, self.sumsq_turns, self.num_finished)
-            / (self.sum_turns / self.num_finished)
-            if spread
-            else None,
-        )
-
-    @staticmethod
-    def _progress(
-        t: Trajectory,
-        now_s: float,
-        turns_left: tuple[float, ...],
-        tool_left: Callable[[float], float],
-        grouped: bool,
-    ) -> TrajectoryProgress:
-        # What a coordinator knows: the turns a trajectory has done and for how long its
-        # tool has run, not its sampled future. Turns left (the current one included; in
-        # env, those after the tool): their expectation given the turns done; tool time
-        # left: ``tool_left`` of the time spent.
-        remaining = turns_left[t.turn] if t.turn < len(turns_left) else 1.0
-        env_s = 0.0
-        if t.phase is TrajPhase.ENV:
-            env_s = tool_left(now_s - t.env_started_s)
-        return TrajectoryProgress.model_construct(
-            traj_id=t.traj_id,
-            phase=t.phase,
-            context_tokens=t.context_tokens + t.generated_tokens,
-            remaining_turns=remaining,
-            turn_output_tokens=t.generated_tokens,
-            env_remaining_s=env_s,
-            group_id=f"g{t.group_id}" if grouped else None,
-        )
+        return observed.snapshot(self.ledger, progress, obs.turn_stats(), version, update_left_s)
 
 
 def fitted(spec: TrajectorySpec, max_context_tokens: int) -> TrajectorySpec:
@@ -418,8 +336,3 @@ def trajectory_stream(
                 )
             index += 1
             yield fitted(spec, max_context_tokens)
-
-
-def _sd(total: float, total_sq: float, n: int) -> float:
-    mean = total / n
-    return float(np.sqrt(max(total_sq / n - mean * mean, 0.0)))

@@ -52,6 +52,7 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from pearl.core.profile import WorkloadDefaults
+from pearl.rollout.observed import turns_left_table as table_of_probs
 from pearl.sim.distributions import (
     EmpiricalTail,
     fit_distribution,
@@ -125,7 +126,8 @@ def mean_turns(model: TrajectoryModel) -> float:
 def turns_left_table(model: TrajectoryModel) -> tuple[float, ...]:
     """``E[T - k | T > k]`` for k = 0 .. max(T) - 1: the turns a trajectory that has
     done ``k`` turns can expect to have left, from the exact distribution of sampled
-    turn counts (what a coordinator knows of its task from earlier runs)."""
+    turn counts (what a coordinator knows of its task from earlier runs), by
+    ``pearl.rollout.observed.turns_left_table``."""
     probs: dict[int, float] = {}
     weight = 1.0 / len(model.turns_observed)
     for observed in model.turns_observed:
@@ -134,12 +136,7 @@ def turns_left_table(model: TrajectoryModel) -> tuple[float, ...]:
         for turns, p in ((1 + whole, 1.0 - (extra - whole)), (2 + whole, extra - whole)):
             if p > 0:
                 probs[turns] = probs.get(turns, 0.0) + weight * p
-    table = []
-    for k in range(max(probs)):
-        beyond = {t: p for t, p in probs.items() if t > k}
-        mass = sum(beyond.values())
-        table.append(sum((t - k) * p for t, p in beyond.items()) / mass)
-    return tuple(table)
+    return table_of_probs(probs)
 
 
 def means(model: TrajectoryModel) -> WorkloadDefaults:
