@@ -5,9 +5,10 @@ Events (``{"e": kind, "t": run clock, ...}``), in the order they happened:
 
 | event | fields | the ledger move it replays |
 |---|---|---|
-| ``start`` | ``run_started_unix_s``, ``rules``, ``seed`` | (the run's identity; checked on resume) |
+| ``start`` | ``run_started_unix_s``, ``rules``, ``seed`` | (the run; checked on resume) |
 | ``admit`` | ``group_id``, ``traj_ids`` | ``admit`` |
-| ``turn`` | ``traj_id``, ``spans`` (``[version, tokens]``) | ``sent``, ``generated``, ``turn_ended`` |
+| ``turn`` | ``traj_id``, ``spans`` (``[version, tokens]``) | ``sent``, ``generated``, |
+|  |  | ``turn_ended`` |
 | ``env`` | ``traj_id``, ``env_s``, ``observation_tokens`` | (turn statistics only) |
 | ``finish`` | ``traj_id``, ``trajectory`` (its whole record) | ``finish`` |
 | ``batch`` | ``batch_id``, ``traj_ids`` | ``take_batch`` (checked: the same ids) |

@@ -55,7 +55,11 @@ from pearl.runlog.jsonl import RunLogWriter
 from pearl.runlog.records import batch_consumed_record, past_bound_record
 from pearl.runlog.schema import (
     BatchCompleted,
-    RunStarted, TrajectoryFinished, TrajectoryLost, TurnEnded)
+    RunStarted,
+    TrajectoryFinished,
+    TrajectoryLost,
+    TurnEnded,
+)
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +73,7 @@ WORKLOAD = "workload.json"
 class RolloutConfig:
     rules: RolloutRules
     sampling: Sampling
-    limits: Limits = Limits()
+    limits: Limits = field(default_factory=Limits)
     seed: int = 0
     snapshot_interval_s: float = 1.0
     env_latency_s: float = 1.0  # a tool call's expected time, until the run has observed some
@@ -147,7 +151,9 @@ class RolloutManager:
                 seed=config.seed,
             )
             m._log.write(
-                RunStarted(t=0.0, run_id=run_dir.name, source="rollout", policy="", seed=config.seed)
+                RunStarted(
+                    t=0.0, run_id=run_dir.name, source="rollout", policy="", seed=config.seed
+                )
             )
         for traj_id in [r.traj_id for r in m.ledger.unconsumed() if r.state in RUNNING]:
             m._lose(traj_id)  # running when the manager died: started again
@@ -268,7 +274,9 @@ class RolloutManager:
         if observation_tokens is None:
             return
         self.observer.env_step(record.env_s, observation_tokens)
-        self._write("env", traj_id=traj_id, env_s=record.env_s, observation_tokens=observation_tokens)
+        self._write(
+            "env", traj_id=traj_id, env_s=record.env_s, observation_tokens=observation_tokens
+        )
         live.phase = TrajPhase.QUEUED
         live.context_tokens += observation_tokens
 
@@ -497,4 +505,3 @@ def _spans(versions: list[int]) -> list[tuple[int, int]]:
         else:
             out.append((v, 1))
     return out
-

@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from manager_setup import open_manager  # noqa: E402
+from manager_setup import open_manager
 
 
 async def main(model_dir: Path, run_dir: Path, urls: list[str]) -> None:

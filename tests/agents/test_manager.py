@@ -199,7 +199,7 @@ def test_a_killed_manager_resumes_from_its_journal(
             await manager.close()
             await manager.router.aclose()
 
-    batches, waiting, lost = asyncio.run(resume())
+    batches, _, lost = asyncio.run(resume())
     assert lost, "the kill caught trajectories running"
     first_id = 1 + max(e["batch_id"] for e in before if e["e"] == "batch")
     assert [b.batch_id for b in batches] == [first_id, first_id + 1]
