@@ -237,7 +237,6 @@ class RolloutManager:
         live = self.live[traj_id]
         self.ledger.sent(traj_id)
         live.phase, live.context_tokens = TrajPhase.PREFILL, context_tokens
-        self._turn_t[traj_id] = self.now_s()
 
     def model_turn_ended(self, traj_id: str, turn: int, out: TurnOutput) -> None:
         live = self.live[traj_id]
@@ -370,12 +369,10 @@ class RolloutManager:
         if not outcome.empty:
             self._emit(past_bound_record(now, outcome, self.config.rules.past_bound))
         gone = [*outcome.restarted, *outcome.dropped]
-        cancelled = [t for t in gone if t in self.live and self.live[t].task is not None]
-        for traj_id in cancelled:
-            task = self.live[traj_id].task
-            assert task is not None
+        cancelled = [task for t in gone if t in self.live and (task := self.live[t].task)]
+        for task in cancelled:
             task.cancel()
-        await asyncio.gather(*(self.live[t].task for t in cancelled), return_exceptions=True)  # type: ignore[misc]
+        await asyncio.gather(*cancelled, return_exceptions=True)
         if not self.ledger.batch_ready():  # it lost a group: complete again later
             self._completed_logged = min(self._completed_logged, self.ledger.totals.batches - 1)
         for traj_id in outcome.dropped:

@@ -10,8 +10,9 @@ rule over the router's :class:`~pearl.router.instances.InstanceTable`:
   (``max_seqs_per_instance`` in flight) — then the least loaded;
 - **disaggregated**: the prefill on a prefill instance (``kv_transfer_params:
   {do_remote_decode: true}``, ``max_tokens: 1``, not streamed), then the decode on the
-  least-loaded decode instance with the ``kv_transfer_params`` the prefill returned — the
-  calls and fields of vLLM's disaggregated proxy (``toy_proxy_server.py``).
+  least-loaded decode instance with the ``kv_transfer_params`` the prefill returned, both
+  under one ``X-Request-Id`` — the calls and fields of vLLM's disaggregated proxy
+  (``toy_proxy_server.py``; ``tests/router/test_pd_conformance.py`` checks them).
 
 A turn whose request comes back aborted (a migration took it off its instance, a pause
 with ``mode=abort``, a sleep) is continued: its prompt grows by the tokens generated so far,
@@ -295,7 +296,10 @@ class Router:
         body = self._body(turn, prompt, left)
         body["kv_transfer_params"] = params
         try:
-            resp = await self._send(decode, turn, body, len(prompt))
+            # the prefill's request id, as vLLM's proxy: a NixlConnector that returns no
+            # remote_request_id (before vLLM PR 29665) names the KV it has read, for the
+            # producer to free, by the decode's own request id
+            resp = await self._send(decode, turn, body, len(prompt), prefill_rid)
         except EngineError as err:
             if err.status != 400 or "kv_transfer_params" not in err.message:
                 raise
