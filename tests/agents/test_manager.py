@@ -80,9 +80,14 @@ def test_batches_of_whole_groups_snapshot_and_run_log(
         manager = await open_manager(tiny_model_dir, tmp_path, urls)
         manager.start()
         try:
+            snap = WorkloadSnapshot()
+            for _ in range(200):  # the snapshot written while the first groups run
+                await asyncio.sleep(0.05)
+                if (tmp_path / WORKLOAD).exists():
+                    snap = parse(WorkloadSnapshot, read_document(tmp_path / WORKLOAD), tmp_path)
+                    if len(snap.trajectories) == CONFIG.rules.max_in_flight:
+                        break
             batches = await _run_batches(manager, 3, set())
-            await asyncio.sleep(0.5)  # a snapshot with trajectories running
-            snap = parse(WorkloadSnapshot, read_document(tmp_path / WORKLOAD), tmp_path)
             manager.ledger.check()
             return batches, snap
         finally:
@@ -93,8 +98,9 @@ def test_batches_of_whole_groups_snapshot_and_run_log(
     assert [b.batch_id for b in batches] == [0, 1, 2]
     assert [b.policy_version for b in batches] == [0, 1, 2]
     assert snap.next_batch is not None and snap.next_batch.group_size == 2
-    assert snap.trajectories, "running trajectories in the predictor's snapshot"
-    assert all(t.group_id for t in snap.trajectories)
+    assert len(snap.trajectories) == 8, "the running trajectories in the predictor's snapshot"
+    assert snap.next_batch.groups_needed == 2  # nothing had finished yet
+    assert len({t.group_id for t in snap.trajectories}) == 4  # in their groups
     # the spool holds every batch handed over
     assert sorted(p.name for p in (tmp_path / SPOOL).glob("batch-*.json")) == [
         "batch-000000.json",
