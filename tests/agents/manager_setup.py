@@ -31,11 +31,17 @@ ENV = {"name": "arithmetic", "max_turns": 3}
 
 
 async def open_manager(
-    model_dir: Path, run_dir: Path, urls: list[str], config: RolloutConfig = CONFIG
+    model_dir: Path,
+    run_dir: Path,
+    urls: list[str],
+    config: RolloutConfig = CONFIG,
+    roles: list[Role] | None = None,
 ) -> RolloutManager:
+    """The manager on ``run_dir`` over engines ``e0, e1, ...`` at ``urls`` (colocated, or
+    in ``roles``)."""
     router = Router()
     for i, url in enumerate(urls):
-        router.table.add(f"e{i}", url, Role.COLOCATED)
+        router.table.add(f"e{i}", url, roles[i] if roles else Role.COLOCATED)
         router.table.ready(f"e{i}")
     return await RolloutManager.open(
         router, lambda: registry.make(ENV, "test.yaml"), load(model_dir), config, run_dir

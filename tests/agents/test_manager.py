@@ -37,7 +37,7 @@ def engines(
     tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[list[EngineProc]]:
     logs = tmp_path_factory.mktemp("manager-engines")
-    procs = [start_engine(tiny_model_dir, logs, name) for name in ("m0", "m1")]
+    procs = [start_engine(tiny_model_dir, logs, name) for name in ("m0", "m1", "m2")]
     try:
         wait_healthy(procs)
         yield procs
@@ -74,7 +74,7 @@ async def _run_batches(manager: RolloutManager, n: int, seen: set[str]) -> list[
 def test_batches_of_whole_groups_snapshot_and_run_log(
     engines: list[EngineProc], tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    urls = [e.url for e in engines]
+    urls = [e.url for e in engines[:2]]
 
     async def run() -> tuple[list[RolloutBatch], WorkloadSnapshot]:
         manager = await open_manager(tiny_model_dir, tmp_path, urls)
@@ -121,6 +121,56 @@ def test_batches_of_whole_groups_snapshot_and_run_log(
             assert [r.output_tokens for r in logged] == [x.output_tokens for x in t.turns]
 
 
+def test_a_disaggregated_rollout_through_a_pd_ratio_change(
+    engines: list[EngineProc], tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Multi-turn trajectories prefilled on one instance and decoded on another; after the
+    first batch a plan turns 1 prefill : 1 decode into 1 : 2 (a start) and then 2 : 1 (a
+    drain and a switch of the first decode instance to prefill), under the manager's load;
+    every trajectory finishes as its environment ends it."""
+    from pearl.core.plan import Action
+    from pearl.core.roles import Role
+    from pearl.router.plan_steps import PlanSteps
+
+    async def run() -> list[RolloutBatch]:
+        manager = await open_manager(
+            tiny_model_dir,
+            tmp_path,
+            [engines[0].url, engines[1].url],
+            roles=[Role.PREFILL, Role.DECODE],
+        )
+        steps = PlanSteps(manager.router)
+        manager.start()
+        seen: set[str] = set()
+        try:
+            batches = await _run_batches(manager, 1, seen)
+            steps.start(Action.START, "e2")
+            steps.end(Action.START, "e2", Role.DECODE, engines[2].url)  # 1 : 2
+            batches += await _run_batches(manager, 1, seen)
+            steps.start(Action.DRAIN, "e1")
+            await manager.router.table.get("e1").idle.wait()
+            steps.end(Action.DRAIN, "e1")
+            steps.start(Action.SWITCH, "e1")
+            steps.end(Action.SWITCH, "e1", Role.PREFILL)  # 2 : 1
+            batches += await _run_batches(manager, 1, seen)
+            manager.ledger.check()
+            return batches
+        finally:
+            await manager.close()
+            await manager.router.aclose()
+
+    trajs = [t for b in asyncio.run(run()) for t in b.trajectories]
+    assert all(t.end_reason in ("answered", "max_turns") for t in trajs), [
+        t.end_reason for t in trajs
+    ]
+    turns = [turn for t in trajs for turn in t.turns]
+    assert all(turn.prefilled_by for turn in turns), "a turn ran colocated"
+    records = list(read_records(tmp_path / RUN_LOG))
+    decoded_by = {r.served_by[-1] for r in records if r.type == "turn_ended"}
+    prefilled_by = {r.prefilled_by[0] for r in records if r.type == "turn_ended"}
+    assert {"e1", "e2"} <= decoded_by and {"e0", "e1"} <= prefilled_by
+
+
 def test_a_trainer_in_another_process_reads_the_spool(
     engines: list[EngineProc], tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -140,7 +190,7 @@ def test_a_trainer_in_another_process_reads_the_spool(
     )
 
     async def run() -> str:
-        manager = await open_manager(tiny_model_dir, tmp_path, [e.url for e in engines])
+        manager = await open_manager(tiny_model_dir, tmp_path, [e.url for e in engines[:2]])
         manager.start()
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-c", trainer, str(tmp_path / SPOOL), stdout=subprocess.PIPE
@@ -164,7 +214,7 @@ def test_a_trainer_in_another_process_reads_the_spool(
 def test_a_killed_manager_resumes_from_its_journal(
     engines: list[EngineProc], tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    urls = ",".join(e.url for e in engines)
+    urls = ",".join(e.url for e in engines[:2])
     proc = subprocess.Popen(
         [sys.executable, str(HERE / "manager_proc.py"), str(tiny_model_dir), str(tmp_path), urls],
         stdout=subprocess.DEVNULL,
