@@ -28,9 +28,9 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from pydantic import TypeAdapter, ValidationError
+from pydantic import ConfigDict, TypeAdapter, ValidationError
 
 from pearl.agents.loop import Trajectory
 from pearl.io.atomic import write_text_atomic
@@ -51,16 +51,16 @@ class RolloutBatch:
     max_staleness_versions: int
     mean_staleness_versions: float
 
+    # a logprob of -inf (or a reward of NaN) is written as JSON's -Infinity, and read back
+    __pydantic_config__: ClassVar[ConfigDict] = ConfigDict(ser_json_inf_nan="constants")
+
     def __post_init__(self) -> None:
         if len(self.group_ids) != len(self.trajectories):
             raise ValueError("group_ids: one per trajectory")
         for t in self.trajectories:
-            n = len(t.token_ids)
-            if not len(t.loss_mask) == len(t.logprobs) == len(t.versions) == n:
-                raise ValueError(
-                    f"trajectory {t.traj_id}: token_ids, loss_mask, logprobs and versions "
-                    "differ in length"
-                )
+            problem = length_problem(t)
+            if problem is not None:
+                raise ValueError(problem)
 
     @property
     def groups(self) -> dict[int, list[Trajectory]]:
@@ -68,6 +68,17 @@ class RolloutBatch:
         for g, t in zip(self.group_ids, self.trajectories, strict=True):
             out.setdefault(g, []).append(t)
         return out
+
+
+def length_problem(t: Trajectory) -> str | None:
+    """Why a trajectory's per-token lists cannot be trained on, if they cannot."""
+    n = len(t.token_ids)
+    if len(t.loss_mask) == len(t.logprobs) == len(t.versions) == n:
+        return None
+    return (
+        f"trajectory {t.traj_id}: token_ids, loss_mask, logprobs and versions differ in "
+        f"length ({n}, {len(t.loss_mask)}, {len(t.logprobs)}, {len(t.versions)})"
+    )
 
 
 _BATCH = TypeAdapter(RolloutBatch)
@@ -114,14 +125,21 @@ class Spool:
         write_text_atomic(path, batch_text(batch))
         return path
 
-    def requests(self) -> list[tuple[str, int]]:
-        """``("want", batch_id)`` and ``("updated", version)`` files, in number order."""
-        found = []
+    def read(self, batch_id: int) -> RolloutBatch:
+        path = self.dir / BATCH_FILE.format(batch_id)
+        return batch_of(path.read_text(encoding="utf-8"), str(path))
+
+    def requests(self) -> tuple[set[int], list[int]]:
+        """The batch ids of ``want-`` files, and the versions of ``updated-`` files in
+        order."""
+        wants: set[int] = set()
+        updates: list[int] = []
         for p in self.dir.iterdir():
             m = _REQUEST.match(p.name)
-            if m:
-                found.append((m.group(1), int(m.group(2))))
-        return sorted(found, key=lambda r: (r[1], r[0] == "want"))
+            if m is not None:
+                number = int(m.group(2))
+                (wants.add(number) if m.group(1) == "want" else updates.append(number))
+        return wants, sorted(updates)
 
 
 class SpoolClient:

@@ -16,8 +16,9 @@ Events (``{"e": kind, "t": run clock, ...}``), in the order they happened:
 | ``lost`` | ``traj_id``, ``wasted_tokens`` | ``lost`` |
 
 Each line is flushed when written, so a killed manager loses at most the line it was
-writing (a torn last line is skipped when read); a malformed line before the last one is
-a corrupt journal, refused with its file and line number. Not fsynced per line: a crash
+writing (a last line without its newline is torn: not an event, cut when the manager
+resumes); a malformed whole line is a corrupt journal, refused with its file and line
+number. Not fsynced per line: a crash
 of the node (not of the process) may lose the last events, which replays as those
 trajectories' turns never having happened (they run again).
 """
@@ -53,26 +54,27 @@ class RolloutJournal:
             self._file.close()
 
 
-def read_journal(path: Path) -> Iterator[dict[str, Any]]:
-    """The journal's events in order; a torn last line is dropped, and the file is cut
-    back to the events before it (so the next writer appends after a whole line)."""
+def read_journal(path: Path, repair: bool = False) -> Iterator[dict[str, Any]]:
+    """The journal's events in order. A torn last line (no newline after it: the write a
+    killed manager did not finish) is not an event; with ``repair`` (the manager that
+    resumes, the only writer) the file is cut back to the events before it, so the next
+    event starts a line of its own. Without, the file is never written (a reader beside a
+    live manager may see its last line half written)."""
     if not path.exists():
         return
     lines = path.read_bytes().split(b"\n")
     good_bytes = 0
     for number, raw in enumerate(lines, start=1):
-        torn = number == len(lines)  # no newline after it: the write did not finish
-        if not raw:
-            continue
+        if number == len(lines):  # after the last newline: empty, or a torn line
+            if raw and repair:
+                with path.open("r+b") as f:
+                    f.truncate(good_bytes)
+            return
         try:
             event = json.loads(raw)
             if not isinstance(event, dict) or event.get("e") not in EVENTS:
                 raise ValueError(f"not a journal event: {raw[:80]!r}")
         except ValueError as err:
-            if torn:  # the line a killed manager was writing
-                with path.open("r+b") as f:
-                    f.truncate(good_bytes)
-                return
             raise JournalError(f"{path}:{number}: {err}") from None
         good_bytes += len(raw) + 1
         yield event

@@ -24,6 +24,8 @@ ends its trajectory, never the rollout.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -32,6 +34,8 @@ from pearl.engines.reference.tokenizer import Tokenizer
 from pearl.envs.protocol import Environment
 from pearl.envs.robust import safe_reset, safe_step
 from pearl.router.router import Router, Sampling, Turn, TurnFailed, TurnOutput
+
+log = logging.getLogger(__name__)
 
 NOT_GENERATED = -1  # the version of a token the model did not generate
 
@@ -133,18 +137,18 @@ async def run_episode(
     hooks: EpisodeHooks | None = None,
 ) -> Trajectory:
     traj = Trajectory(traj_id)
-    start = await safe_reset(
-        env,
-        seed,
-        timeout_s=limits.step_timeout_s,
-        max_observation_chars=limits.max_observation_chars,
-    )
-    traj.info = dict(start.info)
-    if start.done:
-        traj.end_reason = str(start.info.get("end_reason", "truncated"))
-        return traj
-    traj.append(first_prompt(tok, env, start.observation), generated=False)
     try:
+        start = await safe_reset(
+            env,
+            seed,
+            timeout_s=limits.step_timeout_s,
+            max_observation_chars=limits.max_observation_chars,
+        )
+        traj.info = dict(start.info)
+        if start.done:
+            traj.end_reason = str(start.info.get("end_reason", "truncated"))
+            return traj
+        traj.append(first_prompt(tok, env, start.observation), generated=False)
         while True:
             if len(traj.turns) >= limits.max_turns:
                 traj.end_reason = "max_turns"
@@ -198,5 +202,14 @@ async def run_episode(
         traj.info["error"] = str(err)
     finally:
         router.forget(traj_id)
-        await env.close()
+        await _close(env, limits.step_timeout_s)
     return traj
+
+
+async def _close(env: Environment, timeout_s: float) -> None:
+    """Close the environment, within ``timeout_s``: a close that fails or hangs is logged,
+    never the episode's (or a cancelling caller's) problem."""
+    try:
+        await asyncio.wait_for(env.close(), timeout_s)
+    except Exception as err:  # a broken environment's close
+        log.warning("environment close failed: %s: %s", type(err).__name__, err)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -40,7 +41,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pearl.agents.batches import RolloutBatch, Spool, trajectory_doc, trajectory_of
+from pydantic_core import PydanticSerializationError
+
+from pearl.agents.batches import (
+    RolloutBatch,
+    Spool,
+    length_problem,
+    trajectory_doc,
+    trajectory_of,
+)
 from pearl.agents.journal import JournalError, RolloutJournal, read_journal
 from pearl.agents.loop import Limits, Trajectory, TurnRecord, run_episode
 from pearl.core.workload import TrajPhase, WorkloadSnapshot
@@ -48,7 +57,7 @@ from pearl.engines.reference.tokenizer import Tokenizer
 from pearl.envs.protocol import Environment
 from pearl.io.atomic import write_text_atomic
 from pearl.rollout.ledger import RUNNING, PastBoundOutcome, RolloutLedger
-from pearl.rollout.observed import TurnObserver, progress, snapshot
+from pearl.rollout.observed import TurnObserver, mean_tool_left, progress, snapshot
 from pearl.rollout.rules import Batching, RolloutRules
 from pearl.router.router import Router, Sampling, TurnOutput
 from pearl.runlog.jsonl import RunLogWriter
@@ -77,6 +86,19 @@ class RolloutConfig:
     seed: int = 0
     snapshot_interval_s: float = 1.0
     env_latency_s: float = 1.0  # a tool call's expected time, until the run has observed some
+    scrape_interval_s: float | None = 1.0  # the engines' /metrics into the router (None: not)
+
+
+def identity(config: RolloutConfig) -> dict[str, Any]:
+    """What a resumed run must share with the run its journal holds: the rules, the
+    sampling, the limits and the seed (the tasks of the groups), as JSON values."""
+    fields = {
+        "rules": dataclasses.asdict(config.rules),
+        "sampling": dataclasses.asdict(config.sampling),
+        "limits": dataclasses.asdict(config.limits),
+        "seed": config.seed,
+    }
+    return dict(json.loads(json.dumps(fields)))
 
 
 @dataclass
@@ -136,20 +158,14 @@ class RolloutManager:
     ) -> RolloutManager:
         """A manager on ``run_dir``: a new run, or the one its journal holds, resumed."""
         m = cls(router, make_env, tok, config, run_dir)
-        events = list(read_journal(run_dir / JOURNAL))
+        events = list(read_journal(run_dir / JOURNAL, repair=True))
         m._journal = RolloutJournal(run_dir / JOURNAL)
         m._log = RunLogWriter(run_dir / RUN_LOG)
         if events:
             m._replay(events)
         else:
             m._t0_unix_s = time.time()
-            m._journal.write(
-                "start",
-                0.0,
-                run_started_unix_s=m._t0_unix_s,
-                rules=dataclasses.asdict(config.rules),
-                seed=config.seed,
-            )
+            m._journal.write("start", 0.0, run_started_unix_s=m._t0_unix_s, **identity(config))
             m._log.write(
                 RunStarted(
                     t=0.0, run_id=run_dir.name, source="rollout", policy="", seed=config.seed
@@ -157,15 +173,18 @@ class RolloutManager:
             )
         for traj_id in [r.traj_id for r in m.ledger.unconsumed() if r.state in RUNNING]:
             m._lose(traj_id)  # running when the manager died: started again
+        m._batch_completed(m.now_s())
         return m
 
     def start(self) -> None:
         """Admission, the snapshot writer and the spool's requests, as background tasks."""
-        self._tasks += [
-            asyncio.create_task(self._admit_forever()),
-            asyncio.create_task(self._snapshot_forever()),
-            asyncio.create_task(self._spool_forever()),
-        ]
+        for work in (self._admit_forever(), self._snapshot_forever(), self._spool_forever()):
+            task = asyncio.create_task(work)
+            task.add_done_callback(_report_death)
+            self._tasks.append(task)
+        if self.config.scrape_interval_s is not None:
+            scrape = self.router.scrape_forever(self.config.scrape_interval_s)
+            self._tasks.append(asyncio.create_task(scrape))
         for live in self.live.values():
             if live.task is None:
                 self._spawn(live)
@@ -249,12 +268,12 @@ class RolloutManager:
         self._write("turn", traj_id=traj_id, spans=spans)
         live.phase, live.env_started_s = TrajPhase.ENV, now
         live.context_tokens += len(out.token_ids)
+        live.turns_done += 1  # in env: the turns left are those after its tool call
 
     def env_step_ended(
         self, traj_id: str, record: TurnRecord, observation_tokens: int | None
     ) -> None:
         live = self.live[traj_id]
-        live.turns_done += 1
         self._emit(
             TurnEnded.model_construct(
                 t=self._run_t(record.ended_s),
@@ -281,23 +300,29 @@ class RolloutManager:
 
     def _finish(self, traj: Trajectory) -> None:
         now = self.now_s()
+        traj, doc = _checked(traj)  # before the books move: what is journaled is readable
+        rec = self.ledger.trajectories[traj.traj_id]
         self.ledger.finish(traj.traj_id, now)
-        self._write("finish", traj_id=traj.traj_id, trajectory=trajectory_doc(traj))
+        self._write("finish", traj_id=traj.traj_id, trajectory=doc)
         self._finished_books(traj)
         del self.live[traj.traj_id]
+        rules = self.config.rules
+        prompt = traj.turns[0].prompt_tokens if traj.turns else len(traj.token_ids)
         self._emit(
             TrajectoryFinished.model_construct(
                 t=now,
                 traj_id=traj.traj_id,
-                batch_id=None,
+                batch_id=rec.group_id // rules.groups_per_batch
+                if rules.batching is Batching.IN_ORDER
+                else None,
                 num_turns=len(traj.turns),
                 output_tokens=traj.generated_tokens,
                 min_policy_version=min((v for v in traj.versions if v >= 0), default=0),
                 reward=traj.reward,
                 end_reason=traj.end_reason,
-                prompt_tokens=traj.turns[0].prompt_tokens if traj.turns else len(traj.token_ids),
-                observation_tokens=len(traj.token_ids) - traj.generated_tokens,
-                started_t=self.ledger.trajectories[traj.traj_id].admitted_s,
+                prompt_tokens=prompt,
+                observation_tokens=len(traj.token_ids) - traj.generated_tokens - prompt,
+                started_t=rec.admitted_s,
             )
         )
         self._batch_completed(now)
@@ -336,14 +361,27 @@ class RolloutManager:
 
     # --- batches and updates ---------------------------------------------------------------
 
-    async def next_batch(self) -> RolloutBatch:
-        """The trainer's next batch, once the ledger says it is complete."""
+    async def next_batch(self, batch_id: int | None = None) -> RolloutBatch:
+        """The trainer's next batch, once the ledger says it is complete; or batch
+        ``batch_id`` again, when it was taken already (a trainer that resumes from its
+        checkpoint asks for the batch of its next step: the spool holds it)."""
+        if batch_id is not None and batch_id < self.ledger.totals.batches:
+            return self.spool.read(batch_id)
+        if batch_id is not None and batch_id > self.ledger.totals.batches:
+            raise ValueError(f"batch {batch_id}: the next batch is {self.ledger.totals.batches}")
         while not self.ledger.batch_ready():
             self._batch_wake.clear()
             await self._batch_wake.wait()
+        return self._take_batch()
+
+    def _take_batch(self) -> RolloutBatch:
         now = self.now_s()
+        ids = [t for g in self.ledger.next_batch_groups() for t in self.ledger.groups[g].members]
+        trajs = tuple(self.finished[t] for t in ids)  # before the books move
         taken = self.ledger.take_batch(now)
-        trajs = tuple(self.finished.pop(t) for t in taken.traj_ids)
+        assert list(taken.traj_ids) == ids
+        for traj_id in ids:
+            del self.finished[traj_id]
         batch = RolloutBatch(
             batch_id=taken.batch_id,
             policy_version=taken.version,
@@ -387,13 +425,17 @@ class RolloutManager:
         return outcome
 
     async def _spool_forever(self, poll_s: float = 0.05) -> None:
-        """Requests of a trainer in another process (``batches.SpoolClient``)."""
+        """Requests of a trainer in another process (``batches.SpoolClient``): every
+        update first, then the batch wanted next once it is complete (never waiting for
+        it here: an update may be what completes it). A run has one trainer: in-process
+        or on the spool, not both (a ``want`` is served to whoever asks next)."""
         while True:
-            for kind, number in self.spool.requests():
-                if kind == "updated" and number > self.ledger.version:
-                    await self.updated(number)
-                elif kind == "want" and number == self.ledger.totals.batches:
-                    await self.next_batch()
+            wants, updates = self.spool.requests()
+            for version in updates:
+                if version > self.ledger.version:
+                    await self.updated(version)
+            if self.ledger.totals.batches in wants and self.ledger.batch_ready():
+                self._take_batch()
             await asyncio.sleep(poll_s)
 
     # --- what the predictor reads ----------------------------------------------------------
@@ -403,8 +445,11 @@ class RolloutManager:
         turns = self.config.limits.max_turns
         default = tuple((turns - k + 1) / 2 for k in range(turns))  # uniform over 1..max
         turns_left = self.observer.turns_left(default)
-        tool_left = self.observer.tool_left(self.config.env_latency_s)
         grouped = self.config.rules.batching is Batching.FIRST_COMPLETED
+        if grouped:
+            tool_left = self.observer.tool_left(self.config.env_latency_s)
+        else:  # the simulator's in-order rule: the observed mean, less the time spent
+            tool_left = mean_tool_left(self.observer.mean_env_s(self.config.env_latency_s))
         progress_of = [
             progress(
                 lv.traj_id,
@@ -445,11 +490,12 @@ class RolloutManager:
         first = events[0]
         if first["e"] != "start":
             raise JournalError(f"{path}:1: the first event is {first['e']!r}, not 'start'")
-        if first.get("rules") != dataclasses.asdict(self.config.rules):
-            raise JournalError(
-                f"{path}: the run's rollout rules differ from this config's "
-                f"({first.get('rules')} != {dataclasses.asdict(self.config.rules)})"
-            )
+        for name, value in identity(self.config).items():
+            if first.get(name) != value:
+                raise JournalError(
+                    f"{path}:1: field '{name}': the run has {first.get(name)}, this "
+                    f"configuration {value} (a run resumes with the configuration it began with)"
+                )
         self._t0_unix_s = float(first["run_started_unix_s"])
         led = self.ledger
         for number, ev in enumerate(events[1:], start=2):
@@ -483,6 +529,8 @@ class RolloutManager:
                 raise ValueError(f"batch {ev['batch_id']} does not replay to the same groups")
             for traj_id in taken.traj_ids:
                 self.finished.pop(traj_id)
+            self._batch_started_t = t
+            self._completed_logged = taken.batch_id  # (the next one: logged when complete)
         elif kind == "updated":
             outcome = led.updated(t, int(ev["version"]))
             for traj_id in (*outcome.restarted, *outcome.dropped):
@@ -491,6 +539,27 @@ class RolloutManager:
         elif kind == "lost":
             led.lost(ev["traj_id"])
             self._turns_done[ev["traj_id"]] = 0
+
+
+def _checked(traj: Trajectory) -> tuple[Trajectory, dict[str, Any]]:
+    """The trajectory as it can be journaled and trained on, and its journal document: one
+    whose per-token lists differ in length (an engine's answer was inconsistent) ends as
+    ``agent_error`` with no tokens; an ``info`` that is not JSON is kept as its repr."""
+    problem = length_problem(traj)
+    if problem is not None:
+        log.error("%s", problem)
+        traj = Trajectory(traj.traj_id, end_reason="agent_error", info={"error": problem})
+    try:
+        return traj, trajectory_doc(traj)
+    except PydanticSerializationError:
+        traj = dataclasses.replace(traj, info={"info_repr": repr(traj.info)[:4000]})
+        return traj, trajectory_doc(traj)
+
+
+def _report_death(task: asyncio.Task[None]) -> None:
+    """A background task of the manager that ended other than by being cancelled."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("rollout manager task died", exc_info=task.exception())
 
 
 def _spans(versions: list[int]) -> list[tuple[int, int]]:

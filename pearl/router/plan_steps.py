@@ -60,8 +60,11 @@ def effect_of(action: Action | ControlAction, phase: StepPhase) -> StepEffect | 
 
 
 def concerns_router(action: Action | ControlAction, phase: StepPhase) -> bool:
-    """Whether the router does anything at this phase of the step."""
-    return action is ControlAction.ABORT_DRAIN or effect_of(action, phase) in ROUTER_EFFECTS
+    """Whether the router does anything at this phase of the step (the end of a step it
+    acted on at its start included: a failed one is undone)."""
+    if action is ControlAction.ABORT_DRAIN or effect_of(action, phase) in ROUTER_EFFECTS:
+        return True
+    return phase == "end" and effect_of(action, "start") in ROUTER_EFFECTS
 
 
 @dataclass(frozen=True)
@@ -172,6 +175,11 @@ class PlanSteps:
         """``action``'s step on ``worker_id`` has ended (``ok`` or not); ``role`` is the
         step's, ``url`` the engine's its agent reported (start, wake)."""
         effect = effect_of(action, "end")
+        if not ok and effect_of(action, "start") in ROUTER_EFFECTS:
+            # the step did not happen (the coordinator's state keeps the worker as it
+            # was): what its start did here is undone, as a failed plan's drain is
+            undone = self.drain_undone(worker_id)
+            return Applied(undone.effect, f"{action.value} of {worker_id} failed: {undone.note}")
         if effect is not StepEffect.JOIN:
             return Applied(None, f"{action.value}: nothing for the router at its end")
         if not ok:

@@ -21,7 +21,7 @@ pytest.importorskip("torch")
 from engine_procs import EngineProc, start_engine, wait_healthy
 from manager_setup import CONFIG, open_manager
 
-from pearl.agents.batches import RolloutBatch, SpoolClient
+from pearl.agents.batches import RolloutBatch, trajectory_doc
 from pearl.agents.journal import JournalError, read_journal
 from pearl.agents.manager import JOURNAL, RUN_LOG, SPOOL, WORKLOAD, RolloutManager
 from pearl.core.workload import WorkloadSnapshot
@@ -117,8 +117,11 @@ def test_batches_of_whole_groups_snapshot_and_run_log(
         for t in b.trajectories:
             assert finished[t.traj_id].num_turns == len(t.turns)
             assert finished[t.traj_id].output_tokens == sum(t.loss_mask)
+            # (a restart's earlier attempt logged its turns too: the last ones are these)
             logged = [r for r in turns if r.traj_id == t.traj_id]
+            logged = logged[len(logged) - len(t.turns) :]
             assert [r.output_tokens for r in logged] == [x.output_tokens for x in t.turns]
+            assert [r.turn for r in logged] == list(range(len(t.turns)))
 
 
 def test_a_disaggregated_rollout_through_a_pd_ratio_change(
@@ -148,7 +151,7 @@ def test_a_disaggregated_rollout_through_a_pd_ratio_change(
             steps.end(Action.START, "e2", Role.DECODE, engines[2].url)  # 1 : 2
             batches += await _run_batches(manager, 1, seen)
             steps.start(Action.DRAIN, "e1")
-            await manager.router.table.get("e1").idle.wait()
+            await asyncio.wait_for(manager.router.table.get("e1").idle.wait(), 60)
             steps.end(Action.DRAIN, "e1")
             steps.start(Action.SWITCH, "e1")
             steps.end(Action.SWITCH, "e1", Role.PREFILL)  # 2 : 1
@@ -208,23 +211,25 @@ def test_a_trainer_in_another_process_reads_the_spool(
             await manager.router.aclose()
 
     assert asyncio.run(run()).split() == ["0", "0", "4", "1", "1", "4"]
-    assert SpoolClient  # the trainer's side is the module's own class
 
 
 def test_a_killed_manager_resumes_from_its_journal(
     engines: list[EngineProc], tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     urls = ",".join(e.url for e in engines[:2])
-    proc = subprocess.Popen(
-        [sys.executable, str(HERE / "manager_proc.py"), str(tiny_model_dir), str(tmp_path), urls],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
+    err_path = tmp_path / "manager.err"
+    with err_path.open("wb") as err:
+        script = str(HERE / "manager_proc.py")
+        proc = subprocess.Popen(
+            [sys.executable, script, str(tiny_model_dir), str(tmp_path), urls],
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+        )
     journal = tmp_path / JOURNAL
     deadline = time.monotonic() + 180
     try:
         while True:  # until it has handed over a batch and has turns in flight
-            assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+            assert proc.poll() is None, err_path.read_text(encoding="utf-8")
             assert time.monotonic() < deadline, "no batch before the deadline"
             events = list(read_journal(journal)) if journal.exists() else []
             kinds = [e["e"] for e in events]
@@ -235,16 +240,19 @@ def test_a_killed_manager_resumes_from_its_journal(
         proc.send_signal(signal.SIGKILL)
         proc.wait()
     before = list(read_journal(journal))
-    finished_before = {e["traj_id"] for e in before if e["e"] == "finish"}
+    last_doc = {e["traj_id"]: e["trajectory"] for e in before if e["e"] == "finish"}
     batched_before = {t for e in before if e["e"] == "batch" for t in e["traj_ids"]}
 
     async def resume() -> tuple[list[RolloutBatch], set[str], set[str]]:
         manager = await open_manager(tiny_model_dir, tmp_path, urls.split(","))
         led = manager.ledger
         waiting = {t for t, r in led.trajectories.items() if r.state is TrajState.FINISHED}
-        # what had finished and was not in a batch comes back whole
-        assert waiting == finished_before - batched_before
+        # what had finished and was not in a batch comes back whole (an update may have
+        # started some finished ones again: those are running, and lost)
+        assert waiting <= set(last_doc) - batched_before
         assert set(manager.finished) == waiting
+        for traj_id in waiting:
+            assert trajectory_doc(manager.finished[traj_id]) == last_doc[traj_id]
         lost = set(manager.live)
         manager.start()
         try:
@@ -272,6 +280,9 @@ def test_a_corrupt_journal_is_refused_with_its_line(tmp_path: Path) -> None:
     path.write_text(f"{good}\nnot json\n{good}\n{good[:10]}", encoding="utf-8")
     with pytest.raises(JournalError, match=r"journal.jsonl:2: "):
         list(read_journal(path))
-    path.write_text(f"{good}\n{good[:10]}", encoding="utf-8")  # a torn last line is cut
-    assert len(list(read_journal(path))) == 1
-    assert path.read_text(encoding="utf-8") == f"{good}\n"
+    for torn in (good[:10], good):  # a last line without its newline did not finish
+        path.write_text(f"{good}\n{torn}", encoding="utf-8")
+        assert len(list(read_journal(path))) == 1
+        assert path.read_text(encoding="utf-8") == f"{good}\n{torn}"  # a reader writes nothing
+        assert len(list(read_journal(path, repair=True))) == 1
+        assert path.read_text(encoding="utf-8") == f"{good}\n"  # the resuming manager cuts it

@@ -233,17 +233,26 @@ def test_unknown_workers_failed_steps_and_undone_drains(caplog: pytest.LogCaptur
         steps.start(A.STOP, "w0")
         await steps.settle()
         assert "w0" not in r.table
-        steps.end(A.STOP, "w0", ok=False)
-        assert steps.drain_undone("w0").effect is StepEffect.JOIN
+        assert steps.end(A.STOP, "w0", ok=False).effect is StepEffect.JOIN  # it did not stop
+        assert steps.drain_undone("w0").effect is StepEffect.JOIN  # (and the drain's undo)
         w0 = r.table.get("w0")
         assert (w0.role, w0.phase, w0.url) == (R.DECODE, Phase.READY, "http://127.0.0.1:9")
-        # a switch that fails stays out until its drain is undone
+        # a switch that fails: the worker kept its old role, and serves in it again
         steps.start(A.DRAIN, "w0")
         steps.start(A.SWITCH, "w0")
-        assert steps.end(A.SWITCH, "w0", R.PREFILL, ok=False).effect is None
         assert r.table.get("w0").phase is Phase.SWITCHING
-        steps.drain_undone("w0")
+        assert steps.end(A.SWITCH, "w0", R.PREFILL, ok=False).effect is StepEffect.JOIN
         assert (w0.role, w0.phase) == (R.DECODE, Phase.READY)
+        # a drain or a migration that fails (no compensation undoes those): the same
+        for action in (A.DRAIN, A.MIGRATE):
+            steps.start(action, "w0")
+            assert r.table.get("w0").phase is Phase.DRAINING
+            assert steps.end(action, "w0", ok=False).effect is StepEffect.JOIN
+            assert (w0.role, w0.phase) == (R.DECODE, Phase.READY)
+            steps.start(action, "w0")
+            assert steps.end(action, "w0").effect is None  # done: it stays out
+            assert r.table.get("w0").phase is Phase.DRAINING
+            steps.drain_undone("w0")
         assert steps.drain_undone("ghost").effect is None
         # a trainer's start is not the router's
         assert steps.end(A.START, "t0", R.TRAIN, None).effect is None
