@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -72,7 +73,10 @@ async def _run_batches(manager: RolloutManager, n: int, seen: set[str]) -> list[
 
 
 def test_batches_of_whole_groups_snapshot_and_run_log(
-    engines: list[EngineProc], tiny_model_dir: Path, tmp_path: Path
+    engines: list[EngineProc],
+    tiny_model_dir: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     urls = [e.url for e in engines[:2]]
 
@@ -122,10 +126,33 @@ def test_batches_of_whole_groups_snapshot_and_run_log(
             logged = logged[len(logged) - len(t.turns) :]
             assert [r.output_tokens for r in logged] == [x.output_tokens for x in t.turns]
             assert [r.turn for r in logged] == list(range(len(t.turns)))
+    # pearl analyze reads the real run's turns, tokens and tool latencies
+    rollout = _analyzed(tmp_path, capsys)
+    assert rollout["turns"] == len(turns) > 0
+    assert rollout["output_tokens"] == sum(r.output_tokens for r in turns)
+    assert rollout["trajectories_finished"] == len(finished)
+    assert rollout["tool_steps"] == sum(r.env_s is not None for r in turns)
+    assert rollout["output_tokens_per_s"] > 0 and rollout["tool_s"]["p50"] is not None
+    assert rollout["remote_prefill_turns"] == 0  # colocated
+
+
+def _analyzed(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
+    """``pearl analyze --json`` over the manager's run log: its rollout section."""
+    from pearl.cli.main import main
+
+    capsys.readouterr()
+    out = run_dir / "report"
+    assert main(["analyze", str(run_dir / RUN_LOG), "--out", str(out), "--json"]) == 0
+    (run,) = json.loads(capsys.readouterr().out)["runs"]
+    assert run["read"]["invalid"] == run["read"]["malformed"] == 0
+    return dict(run["rollout_turns"])
 
 
 def test_a_disaggregated_rollout_through_a_pd_ratio_change(
-    engines: list[EngineProc], tiny_model_dir: Path, tmp_path: Path
+    engines: list[EngineProc],
+    tiny_model_dir: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     """Multi-turn trajectories prefilled on one instance and decoded on another; after the
     first batch a plan turns 1 prefill : 1 decode into 1 : 2 (a start) and then 2 : 1 (a
@@ -168,6 +195,7 @@ def test_a_disaggregated_rollout_through_a_pd_ratio_change(
     ]
     turns = [turn for t in trajs for turn in t.turns]
     assert all(turn.prefilled_by for turn in turns), "a turn ran colocated"
+    assert _analyzed(tmp_path, capsys)["remote_prefill_share"] == 1.0
     records = list(read_records(tmp_path / RUN_LOG))
     decoded_by = {r.served_by[-1] for r in records if r.type == "turn_ended"}
     prefilled_by = {r.prefilled_by[0] for r in records if r.type == "turn_ended"}
