@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,6 +61,21 @@ def start_engine(
         model_dir, kv_port=kv_port, engine_id=name, threads=threads, extra=args, log_dir=log_dir
     ).start()
     return EngineProc(process.url, name, kv_port, model_dir, process)
+
+
+@contextmanager
+def running_engines(
+    model_dir: Path, log_dir: Path, names: Iterable[str]
+) -> Iterator[list[EngineProc]]:
+    """Reference engines named ``names``, started side by side and healthy, stopped after
+    (a module fixture's body: ``with running_engines(...) as procs: yield procs``)."""
+    procs = [start_engine(model_dir, log_dir, name) for name in names]
+    try:
+        wait_healthy(procs)
+        yield procs
+    finally:
+        for p in procs:
+            p.stop()
 
 
 def wait_healthy(engines: list[EngineProc], timeout_s: float = START_TIMEOUT_S) -> None:

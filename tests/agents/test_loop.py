@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from engine_procs import EngineProc, start_engine, wait_healthy
+from engine_procs import EngineProc, running_engines
 
 from pearl.agents.loop import NOT_GENERATED, Limits, Trajectory, run_episode
 from pearl.core.roles import Role
@@ -26,14 +26,10 @@ from pearl.router.router import Router, Sampling
 def engines(
     tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[list[EngineProc]]:
-    logs = tmp_path_factory.mktemp("agent-engines")
-    procs = [start_engine(tiny_model_dir, logs, name) for name in ("a0", "a1")]
-    try:
-        wait_healthy(procs)
+    with running_engines(
+        tiny_model_dir, tmp_path_factory.mktemp("agent-engines"), ("a0", "a1")
+    ) as procs:
         yield procs
-    finally:
-        for p in procs:
-            p.stop()
 
 
 def _episodes(

@@ -19,7 +19,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from engine_procs import EngineProc, start_engine, wait_healthy
+from engine_procs import EngineProc, running_engines
 from manager_setup import CONFIG, open_manager
 
 from pearl.agents.batches import RolloutBatch, trajectory_doc
@@ -37,14 +37,10 @@ HERE = Path(__file__).parent
 def engines(
     tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[list[EngineProc]]:
-    logs = tmp_path_factory.mktemp("manager-engines")
-    procs = [start_engine(tiny_model_dir, logs, name) for name in ("m0", "m1", "m2")]
-    try:
-        wait_healthy(procs)
+    with running_engines(
+        tiny_model_dir, tmp_path_factory.mktemp("manager-engines"), ("m0", "m1", "m2")
+    ) as procs:
         yield procs
-    finally:
-        for p in procs:
-            p.stop()
 
 
 def _check_batch(batch: RolloutBatch, seen: set[str]) -> None:

@@ -40,7 +40,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from engine_procs import EngineProc, start_engine, wait_healthy
+from engine_procs import EngineProc, running_engines
 from recording_proxy import Call, RecordingProxies
 
 from pearl.core.roles import Role
@@ -128,14 +128,10 @@ def check_turn(calls: list[Call], request: dict[str, Any]) -> tuple[Call, Call]:
 def engines(
     tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[list[EngineProc]]:
-    logs = tmp_path_factory.mktemp("pd-conformance-engines")
-    procs = [start_engine(tiny_model_dir, logs, name) for name in ("p0", "d0")]
-    try:
-        wait_healthy(procs)
+    with running_engines(
+        tiny_model_dir, tmp_path_factory.mktemp("pd-conformance-engines"), ("p0", "d0")
+    ) as procs:
         yield procs
-    finally:
-        for p in procs:
-            p.stop()
 
 
 @pytest.fixture(scope="module")

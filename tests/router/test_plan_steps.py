@@ -23,7 +23,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from engine_procs import EngineProc, start_engine, wait_healthy
+from engine_procs import EngineProc, running_engines
 from router_turns import Turns, check_greedy, direct, router_over, serving_front, trajectory
 
 from pearl.control.coordinator_side import CommandStatus
@@ -45,14 +45,10 @@ LONGER = Sampling(max_tokens=1000, temperature=0.0, ignore_eos=True)
 def engines(
     tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[list[EngineProc]]:
-    logs = tmp_path_factory.mktemp("plan-step-engines")
-    procs = [start_engine(tiny_model_dir, logs, name) for name in ("e0", "e1", "e2")]
-    try:
-        wait_healthy(procs)
+    with running_engines(
+        tiny_model_dir, tmp_path_factory.mktemp("plan-step-engines"), ("e0", "e1", "e2")
+    ) as procs:
         yield procs
-    finally:
-        for p in procs:
-            p.stop()
 
 
 async def _in_flight_on(r: Router, worker_id: str, n: int = 1, timeout_s: float = 20) -> None:

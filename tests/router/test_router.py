@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from engine_procs import EngineProc, start_engine, wait_healthy
+from engine_procs import EngineProc, running_engines
 from router_turns import (
     GREEDY,
     Turns,
@@ -36,14 +36,10 @@ from pearl.router.router import Router, Sampling, Turn
 def engines(
     tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[list[EngineProc]]:
-    logs = tmp_path_factory.mktemp("router-engines")
-    procs = [start_engine(tiny_model_dir, logs, name) for name in ("e0", "e1", "e2")]
-    try:
-        wait_healthy(procs)
+    with running_engines(
+        tiny_model_dir, tmp_path_factory.mktemp("router-engines"), ("e0", "e1", "e2")
+    ) as procs:
         yield procs
-    finally:
-        for p in procs:
-            p.stop()
 
 
 def test_colocated_turns_stay_home_and_match_a_direct_run(engines: list[EngineProc]) -> None:
