@@ -136,7 +136,7 @@ class TrajectoryFinished(_Record):
     observation_tokens: NonNegInt | None = Field(
         None, description="Appended by its tool steps (env observations)."
     )
-    started_t: Seconds | None = Field(None, description="Its first turn's send.")
+    started_t: Seconds | None = Field(None, description="Its admission.")
 
     _OMIT_UNSET = ("reward", "end_reason", "prompt_tokens", "observation_tokens", "started_t")
 
@@ -217,6 +217,13 @@ class TrainStep(_Record):
     started_t: Seconds
     policy_version: int
     waited_for_gpus_s: NonNegFloat = Field(description="Wait for lent GPUs to come back.")
+    # a real trainer's (pearl run); the simulator's trainer writes none of them
+    reward_mean: float | None = Field(None, description="The batch's mean reward.")
+    loss: float | None = Field(None, description="The update's loss.")
+    tokens: NonNegInt | None = Field(None, description="Loss tokens of the batch.")
+    sync_s: NonNegFloat | None = Field(None, description="Weight sync to the engines after it.")
+
+    _OMIT_UNSET = ("reward_mean", "loss", "tokens", "sync_s")
 
 
 class RunEnded(_Record):
