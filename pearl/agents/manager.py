@@ -274,7 +274,7 @@ class RolloutManager:
         self, traj_id: str, record: TurnRecord, observation_tokens: int | None
     ) -> None:
         live = self.live[traj_id]
-        self._emit(
+        self.log_record(
             TurnEnded.model_construct(
                 t=self._run_t(record.ended_s),
                 traj_id=traj_id,
@@ -308,7 +308,7 @@ class RolloutManager:
         del self.live[traj.traj_id]
         rules = self.config.rules
         prompt = traj.turns[0].prompt_tokens if traj.turns else len(traj.token_ids)
-        self._emit(
+        self.log_record(
             TrajectoryFinished.model_construct(
                 t=now,
                 traj_id=traj.traj_id,
@@ -334,7 +334,7 @@ class RolloutManager:
         batch_id = self.ledger.totals.batches
         if self.ledger.batch_ready() and batch_id > self._completed_logged:
             self._completed_logged = batch_id
-            self._emit(
+            self.log_record(
                 BatchCompleted.model_construct(
                     t=now, batch_id=batch_id, started_t=self._batch_started_t, predicted_s=None
                 )
@@ -348,7 +348,7 @@ class RolloutManager:
         rec = self.ledger.trajectories[traj_id]
         wasted = self.ledger.lost(traj_id)
         self._write("lost", traj_id=traj_id, wasted_tokens=wasted)
-        self._emit(
+        self.log_record(
             TrajectoryLost.model_construct(
                 t=self.now_s(),
                 traj_id=traj_id,
@@ -393,7 +393,7 @@ class RolloutManager:
         )
         self.spool.write(batch)
         self._write("batch", batch_id=taken.batch_id, traj_ids=list(taken.traj_ids))
-        self._emit(batch_consumed_record(now, taken))
+        self.log_record(batch_consumed_record(now, taken))
         self._batch_started_t = now
         self._batch_completed(now)  # more complete groups may be waiting already
         self._poke()
@@ -405,7 +405,7 @@ class RolloutManager:
         outcome = self.ledger.updated(now, version)
         self._write("updated", version=version)
         if not outcome.empty:
-            self._emit(past_bound_record(now, outcome, self.config.rules.past_bound))
+            self.log_record(past_bound_record(now, outcome, self.config.rules.past_bound))
         gone = [*outcome.restarted, *outcome.dropped]
         cancelled = [task for t in gone if t in self.live and (task := self.live[t].task)]
         for task in cancelled:
@@ -480,7 +480,8 @@ class RolloutManager:
         assert self._journal is not None
         self._journal.write(event, self.now_s(), **fields)
 
-    def _emit(self, record: Any) -> None:
+    def log_record(self, record: Any) -> None:
+        """A record into the run log (the manager's writer: one per run log)."""
         if self._log is not None:
             self._log.write(record)
 

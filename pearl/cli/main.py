@@ -6,7 +6,18 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from pearl.cli import agent, analyze, bench, coordinator, engine, model, plan, profile, simulate
+from pearl.cli import (
+    agent,
+    analyze,
+    bench,
+    coordinator,
+    engine,
+    model,
+    plan,
+    profile,
+    run,
+    simulate,
+)
 from pearl.cli.errors import run_command
 
 
@@ -26,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_parser(sub)
     model.add_parser(sub)
     profile.add_parser(sub)
+    run.add_parser(sub)
     return parser
 
 

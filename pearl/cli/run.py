@@ -1,0 +1,78 @@
+"""``pearl run [CONFIG]``: agentic RL end to end on this machine (``docs/run.md``).
+
+With no file, the embedded default (``pearl.run.config.RunConfig()``): the tiny Qwen3 on
+``single_digit``. The progress display goes to stderr; with ``--json`` stdout carries one
+JSON object at the end (the reward curve, the times) and nothing else. Needs the engine
+extra, imported only when the command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from pearl.io.extras import require
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("run", help="train an agent end to end on this machine")
+    p.add_argument("config", nargs="?", help="run configuration (default: the embedded one)")
+    p.add_argument("--steps", type=int, help="updates to train (overrides trainer.steps)")
+    p.add_argument("--run-dir", help="the run's folder (overrides run_dir)")
+    p.add_argument("--seed", type=int, help="overrides rollout.seed and model.seed")
+    p.add_argument("--json", action="store_true", help="print only the summary JSON")
+    p.add_argument(
+        "--print-config", action="store_true", help="print the configuration as JSON and exit"
+    )
+    p.set_defaults(run=run)
+
+
+def summary(
+    rewards: list[float], wall_s: float, run_dir: Path, tokens_per_s: float
+) -> dict[str, Any]:
+    k = min(5, len(rewards) // 2)
+    first = sum(rewards[:k]) / k if k else None
+    last = sum(rewards[-k:]) / k if k else None
+    return {
+        "run_dir": str(run_dir),
+        "steps": len(rewards),
+        "wall_s": round(wall_s, 1),
+        "reward_mean_per_step": [round(r, 4) for r in rewards],
+        "reward_first5_mean": None if first is None else round(first, 4),
+        "reward_last5_mean": None if last is None else round(last, 4),
+        "rollout_tokens_per_s": round(tokens_per_s, 1),
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    from pearl.run.config import load_run_config
+
+    config, base = load_run_config(args.config)
+    changes: dict[str, Any] = {}
+    if args.run_dir is not None:
+        changes["run_dir"] = args.run_dir
+    if args.steps is not None:
+        if args.steps < 1:
+            from pearl.io.documents import InputError
+
+            raise InputError("<command line>", "--steps", f"at least 1, not {args.steps}")
+        changes["trainer"] = config.trainer.model_copy(update={"steps": args.steps})
+    if args.seed is not None:
+        changes["rollout"] = config.rollout.model_copy(update={"seed": args.seed})
+        changes["model"] = config.model.model_copy(update={"seed": args.seed})
+    config = config.model_copy(update=changes)
+    if args.print_config:
+        print(config.model_dump_json(indent=2))
+        return 0
+    for module in ("torch", "fastapi", "uvicorn", "safetensors", "tokenizers"):
+        require(module)
+    from pearl.run.local import run as run_local
+
+    result = run_local(config, base, show=not args.json)
+    rewards = [s.reward_mean for s in result.steps]
+    tps = sum(s.tokens_per_s for s in result.steps) / max(len(result.steps), 1)
+    doc = summary(rewards, result.wall_s, result.run_dir, tps)
+    print(json.dumps(doc) if args.json else json.dumps(doc, indent=2))
+    return 0

@@ -1,0 +1,1 @@
+"""`pearl run`: agentic RL end to end on one machine (docs/run.md)."""

@@ -1,0 +1,143 @@
+"""``pearl run``'s configuration (YAML or JSON): the model, the environment and its reward,
+the rollout's rules, the engines, the trainer. Every field has a default: the embedded
+default (``RunConfig()``, what ``pearl run`` with no file runs) trains pearl's tiny Qwen3 on
+``single_digit`` on a CPU machine. Unknown fields are refused, and every problem is one
+line ``FILE: FIELD: PROBLEM`` (exit status 2). Paths are relative to the file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, model_validator
+
+from pearl.agents.loop import Limits
+from pearl.agents.manager import RolloutConfig
+from pearl.core.state import Frozen, NonNegInt
+from pearl.envs import registry
+from pearl.io.documents import parse, read_document
+from pearl.rollout.rules import Batching, PastBound, RolloutRules
+from pearl.router.router import Sampling
+from pearl.trainer.reference import TrainerConfig
+
+PosInt = Annotated[int, Field(gt=0)]
+PosFloat = Annotated[float, Field(gt=0)]
+
+
+class ModelSection(Frozen):
+    dir: str | None = Field(
+        None,
+        description="A local Hugging Face model directory (Qwen3, Qwen2, Llama); None: "
+        "pearl's tiny Qwen3, written to RUN_DIR/model by `pearl model init`'s defaults.",
+    )
+    seed: int = Field(0, description="The tiny model's initialisation seed (dir None).")
+
+
+class RolloutSection(Frozen):
+    group_size: PosInt = Field(8, description="Samples per task (a GRPO group).")
+    batch_trajectories: PosInt = Field(
+        32, description="Trajectories per update (whole groups: a multiple of group_size)."
+    )
+    max_staleness_versions: NonNegInt = Field(
+        1, description="A trajectory is trained at most this many versions after admission."
+    )
+    max_in_flight: PosInt | None = Field(
+        None, description="Running trajectories at most (None: as the staleness bound allows)."
+    )
+    batching: Batching = Field(Batching.FIRST_COMPLETED, description="How a batch is formed.")
+    past_bound: PastBound = Field(
+        PastBound.INTERRUPT, description="What an update does to trajectories past the bound."
+    )
+    max_tokens: PosInt = Field(16, description="Tokens a model turn may generate.")
+    temperature: PosFloat = Field(1.0, description="Sampling temperature.")
+    max_turns: PosInt = Field(4, description="Model turns per trajectory at most.")
+    max_context_tokens: PosInt = Field(1024, description="Context of a trajectory at most.")
+    step_timeout_s: PosFloat = Field(30.0, description="An environment step's time limit.")
+    seed: int = Field(0, description="Tasks (environment seeds) and sampling seeds.")
+
+    @model_validator(mode="after")
+    def _whole_groups(self) -> RolloutSection:
+        if self.batch_trajectories % self.group_size:
+            raise ValueError(
+                f"batch_trajectories: {self.batch_trajectories} is not a multiple of "
+                f"group_size {self.group_size}"
+            )
+        return self
+
+    def manager_config(self, snapshot_interval_s: float = 1.0) -> RolloutConfig:
+        rules = RolloutRules(
+            batch_trajectories=self.batch_trajectories,
+            max_staleness_versions=self.max_staleness_versions,
+            group_size=self.group_size,
+            max_in_flight=self.max_in_flight,
+            batching=self.batching,
+            past_bound=self.past_bound,
+        )
+        return RolloutConfig(
+            rules=rules,
+            sampling=Sampling(
+                max_tokens=self.max_tokens, temperature=self.temperature, seed=self.seed
+            ),
+            limits=Limits(
+                max_turns=self.max_turns,
+                max_context_tokens=self.max_context_tokens,
+                step_timeout_s=self.step_timeout_s,
+            ),
+            seed=self.seed,
+            snapshot_interval_s=snapshot_interval_s,
+        )
+
+
+class EnginesSection(Frozen):
+    backend: Literal["reference"] = Field(
+        "reference", description="The CPU reference engine (vllm: with the Slurm run)."
+    )
+    count: PosInt = Field(2, description="Engine instances.")
+    mode: Literal["colocated", "disaggregated"] = Field(
+        "colocated",
+        description="The PD configuration the run starts with (disaggregated: the first "
+        "half of the instances prefill, the rest decode).",
+    )
+    threads: PosInt = Field(1, description="torch threads per engine.")
+    max_num_seqs: PosInt = Field(64, description="Sequences an engine runs at once.")
+
+    @model_validator(mode="after")
+    def _pools(self) -> EnginesSection:
+        if self.mode == "disaggregated" and self.count < 2:
+            raise ValueError("count: disaggregated needs at least 2 engines")
+        return self
+
+
+class TrainerSection(Frozen):
+    backend: Literal["reference"] = Field(
+        "reference", description="The torch CPU trainer (megatron: on GPUs)."
+    )
+    steps: PosInt = Field(20, description="Updates the run trains.")
+    optimizer: TrainerConfig = Field(
+        default_factory=TrainerConfig, description="The loss and the optimiser."
+    )
+
+
+class RunConfig(Frozen):
+    schema_version: Literal[1] = Field(1, description="Configuration schema version.")
+    run_dir: str = Field("runs/pearl-run", description="Where the run's files go.")
+    model: ModelSection = Field(default_factory=ModelSection)
+    env: dict[str, Any] = Field(
+        default_factory=lambda: {"name": "single_digit", "operators": "+", "max_turns": 1},
+        description="The environment and its reward (docs/envs.md: `name` and its knobs).",
+    )
+    rollout: RolloutSection = Field(default_factory=RolloutSection)
+    engines: EnginesSection = Field(default_factory=EnginesSection)
+    trainer: TrainerSection = Field(default_factory=TrainerSection)
+
+
+def load_run_config(path: str | Path | None) -> tuple[RunConfig, Path]:
+    """The validated configuration (the embedded default without a file) and the folder
+    its relative paths start from."""
+    if path is None:
+        return RunConfig(), Path.cwd()
+    p = Path(path)
+    config = parse(RunConfig, read_document(p), p)
+    registry.config_of(config.env, p)  # the environment's own checks, naming env.FIELD
+    return config, p.parent
