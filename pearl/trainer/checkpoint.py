@@ -8,7 +8,13 @@ removed after (a reader sees the old one, briefly none, then the new one).
 The checkpoint directory (``RUN_DIR/trainer/checkpoints``) holds ``step-NNNNNN/``: the
 state after ``NNNNNN`` committed updates (the next batch to train is batch ``NNNNNN``).
 Staging names never match ``step-NNNNNN``, so a checkpoint half written when the trainer
-died is never the latest; the next save removes what is left of it.
+died is never the latest; the next prune removes what is left of it.
+
+A checkpoint's files (``write_checkpoint``, ``read_checkpoint``): ``model.safetensors``
+(float32 weights, Hugging Face names), ``optimizer.safetensors`` (the optimizer's
+per-parameter state as ``<param name>.<key>``, generator states as ``rng.<name>``),
+``trainer.json`` (format, step, version, the optimizer's hyperparameters, the trainer's
+config) and the model's ``config.json`` (``docs/training.md``).
 """
 
 from __future__ import annotations

@@ -71,7 +71,7 @@ class SpoolSource:
     """A rollout manager in another process, through its spool directory
     (``RUN_DIR/rollout/batches``)."""
 
-    def __init__(self, directory: Path, *, timeout_s: float = 3600.0, poll_s: float = 0.05):
+    def __init__(self, directory: Path, *, timeout_s: float = 3600.0, poll_s: float = 0.05) -> None:
         self.client = SpoolClient(directory)
         self.timeout_s, self.poll_s = timeout_s, poll_s
 

@@ -453,8 +453,8 @@ class ReferenceTrainer:
         for name in params:
             if tuple(weights[name].shape) != self.shapes[name]:
                 raise ValueError(f"{name}: shape {tuple(weights[name].shape)}, not the model's")
-        for name, p in params.items():
-            p.data = weights[name].to(torch.float32).contiguous()
+        for name, p in params.items():  # copies: never views of a (mapped) file
+            p.data = weights[name].to(torch.float32, copy=True).contiguous()
 
     def _set_optimizer(self, tensors: dict[str, torch.Tensor]) -> None:
         index = {n: i for i, n in enumerate(self.names)}
@@ -463,7 +463,7 @@ class ReferenceTrainer:
             name, _, what = key.rpartition(".")
             if name not in index:
                 raise ValueError(f"optimizer state for {name!r}, not a parameter of the model")
-            state.setdefault(index[name], {})[what] = value
+            state.setdefault(index[name], {})[what] = value.clone()
         groups = [{**g, "params": [index[n] for n in g["params"]]} for g in self._groups]
         self.optimizer.load_state_dict({"state": state, "param_groups": groups})
 
