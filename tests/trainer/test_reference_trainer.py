@@ -9,6 +9,7 @@ import json
 import os
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -103,7 +104,7 @@ def test_a_half_written_checkpoint_is_never_the_latest(
     original = checkpoint.save_file
     calls = []
 
-    def fail_second(*args, **kwargs):  # type: ignore[no-untyped-def]
+    def fail_second(*args: Any, **kwargs: Any) -> None:
         calls.append(args[1])
         if len(calls) == 2:
             raise OSError("disk full")
