@@ -7,8 +7,9 @@ One ``train_step`` is one committed update (the version goes up by one):
 1. every trajectory of the batch becomes a sequence: its tokens, the loss mask (the tokens
    the model generated), the behaviour logprobs and versions. A trajectory that ended
    ``agent_error`` or ``turn_failed`` (``TrainerConfig.masked_end_reasons``; the rollout
-   manager keeps them in their groups with reward 0, ``docs/agents.md``) is masked out of
-   the loss, and its group's advantages are computed over the rest. Never scored either:
+   manager keeps them in their groups with reward 0, ``docs/agents.md``), or whose reward
+   is not finite (a NaN in a batch file), is masked out of the loss, and its group's
+   advantages are computed over the rest. Never scored either:
    the first token of a sequence (it has no context) and a token whose behaviour logprob
    is not finite (an engine's ``-inf``);
 2. the group-normalised advantage of each trajectory (``loss.group_advantages``), the same
@@ -236,11 +237,12 @@ class ReferenceTrainer:
     def _sequences(self, batch: RolloutBatch) -> tuple[list[_Seq], torch.Tensor]:
         """The batch's trainable sequences, and the rewards of the trajectories that count."""
         trajs = batch.trajectories
-        valid = torch.tensor([t.end_reason not in self.config.masked_end_reasons for t in trajs])
         rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
+        masked = [t.end_reason in self.config.masked_end_reasons for t in trajs]
+        valid = ~torch.tensor(masked, dtype=torch.bool) & torch.isfinite(rewards)
         adv = group_advantages(
             rewards,
-            torch.tensor(batch.group_ids),
+            torch.tensor(batch.group_ids, dtype=torch.long),
             valid,
             scale_by_std=self.config.scale_advantages_by_std,
             eps=self.config.advantage_eps,

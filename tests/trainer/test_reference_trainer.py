@@ -176,6 +176,21 @@ def test_masked_trajectories_and_observations_never_count(tiny_model_dir: Path) 
     assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
 
 
+def test_a_batch_with_nothing_to_train_still_commits_an_update(tiny_model_dir: Path) -> None:
+    """Every trajectory masked (errors, a NaN reward): no loss tokens, no change to the
+    weights, the version goes on."""
+    t = ReferenceTrainer(tiny_model_dir)
+    before = t.model.hf_state_dict()
+    trajs = [
+        trajectory("err", [1, 2], [3, 4], [-1.0, -1.0], 0, 9.0, end_reason="agent_error"),
+        trajectory("nan", [1, 2], [5, 6], [-1.0, -1.0], 0, float("nan")),
+    ]
+    m = t.train_step(batch_of(0, 0, trajs, 2))
+    assert (m.version, m.tokens, m.loss, m.grad_norm, m.reward_mean) == (1, 0, 0.0, 0.0, 0.0)
+    assert t.train_step(RolloutBatch(1, 1, (), (), 0, 0, 0.0)).version == 2  # empty
+    assert all(torch.equal(before[k], v) for k, v in t.model.hf_state_dict().items())
+
+
 def test_off_policy_tokens_are_counted_and_weighted(tiny_model_dir: Path) -> None:
     t = ReferenceTrainer(tiny_model_dir)
     stale = _batch(t, 0, seed=0)  # sampled by version 0
