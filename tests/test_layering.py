@@ -35,6 +35,11 @@ ALLOWED_ROOTS = {"pearl", "numpy", "scipy", "pydantic", "__future__"} | {
 }
 
 
+# pure but for torch: the trainer's loss (pure tensor functions; torch is not a core
+# dependency, so pearl/trainer stays out of PURE_PACKAGES)
+TORCH_PURE_FILES = ["pearl/trainer/loss.py"]
+
+
 def _imports(path: Path) -> list[tuple[int, str]]:
     tree = ast.parse(path.read_text(), filename=str(path))
     found = []
@@ -78,6 +83,13 @@ def test_pure_packages_import_only_allowed_modules(path: Path) -> None:
         assert root in ALLOWED_ROOTS, where
         if root == "pearl":
             assert _is_pure(module, pure), where
+
+
+@pytest.mark.parametrize("name", TORCH_PURE_FILES)
+def test_torch_pure_files_import_only_allowed_modules_and_torch(name: str) -> None:
+    for lineno, module in _imports(ROOT / name):
+        root = module.split(".")[0]
+        assert root in ALLOWED_ROOTS - {"pearl"} | {"torch"}, f"{name}:{lineno} imports {module}"
 
 
 def test_the_check_catches_a_forbidden_import(tmp_path: Path) -> None:
