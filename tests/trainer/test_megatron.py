@@ -41,6 +41,12 @@ from pearl.trainer.megatron.config import (  # noqa: E402
 )
 
 TOL = 1e-4  # logits, float32, Megatron's CPU forward against transformers'
+# megatron-core warns of what it falls back to without Apex and Transformer Engine, and of
+# its own deprecations
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::UserWarning:megatron"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning:megatron"),
+]
 
 
 def _variant(root: Path, name: str, **kwargs: int) -> Path:
@@ -421,3 +427,84 @@ def test_the_transformer_engine_spec_needs_transformer_engine(megatron_cpu: obje
     if model.transformer_engine_available():
         pytest.skip("transformer_engine is installed: the TE spec is built on the GPU check")
     assert model.resolve_spec("auto") == "local"
+
+
+def test_token_logprobs_are_transformers_log_softmax(
+    megatron_cpu: object, models: dict[str, Path]
+) -> None:
+    """The trainer's logprobs (Megatron's vocab-parallel cross entropy, negated)."""
+    transformers = pytest.importorskip("transformers")
+    from pearl.trainer.megatron import model
+
+    cfg, gpt = _build(models["gqa-untied"])
+    model.load_hf_weights(gpt, read_weights(models["gqa-untied"]), cfg, "local")
+    ids = torch.randint(0, 300, (2, 10), generator=torch.Generator().manual_seed(8))
+    gpt.eval()
+    with torch.no_grad(), cpu_forward():
+        ours = model.token_logprobs(gpt, ids)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(models["gqa-untied"]).eval()
+    with torch.no_grad():
+        logp = ref(ids).logits.log_softmax(-1)
+    theirs = logp[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
+    assert ours.shape == (2, 9) and (ours - theirs).abs().max().item() < TOL
+
+
+def test_a_batch_packs_shifted_with_unusable_logprobs_masked() -> None:
+    from pearl.agents.batches import RolloutBatch
+    from pearl.agents.loop import Trajectory
+    from pearl.trainer.megatron.trainer import pack
+
+    a, b = Trajectory(traj_id="a"), Trajectory(traj_id="b")
+    a.append([1, 2], generated=False)
+    a.append([3, 4, 5], generated=True, logprobs=[-0.5, float("-inf"), -1.5], versions=[0] * 3)
+    b.append([6], generated=False)
+    b.append([7], generated=True, logprobs=[-2.0], versions=[0])
+    batch = RolloutBatch(
+        batch_id=0,
+        policy_version=0,
+        trajectories=(a, b),
+        group_ids=(0, 0),
+        off_policy_tokens=0,
+        max_staleness_versions=0,
+        mean_staleness_versions=0.0,
+    )
+    p = pack(batch, torch.tensor([1.0, -1.0]), [0, 1], torch.device("cpu"))
+    assert p.token_ids.tolist() == [[1, 2, 3, 4, 5], [6, 7, 0, 0, 0]]
+    # entry i is about token i + 1: a's tokens 3 and 5 (4's logprob is -inf), b's token 7
+    assert p.loss_mask.tolist() == [[0, 1, 0, 1], [1, 0, 0, 0]]
+    assert p.old_logprobs.tolist() == [[0, -0.5, 0, -1.5], [-2.0, 0, 0, 0]]
+    assert p.advantages.tolist() == [[1.0] * 4, [-1.0] * 4]
+
+
+def test_an_export_is_a_model_directory_with_the_same_weights(
+    megatron_cpu: object, models: dict[str, Path], tmp_path: Path
+) -> None:
+    """Version 0 exported: bit for bit the weights it was built from, beside the model
+    directory's config and tokenizer; checkpoints and offload keep the weights. (Training
+    steps need CUDA and the loss module: scripts/device-check.)"""
+    from pearl.trainer.megatron.trainer import MegatronTrainer
+
+    src = models["gqa-untied"]
+    trainer = MegatronTrainer.start(src, device=torch.device("cpu"))
+    out = trainer.export_weights(tmp_path / "exports")
+    assert out == tmp_path / "exports" / "v000000"
+    files = sorted(p.name for p in out.iterdir())
+    assert files == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
+    hf, back = read_weights(src), read_weights(out)
+    assert set(back) == set(hf) and all(torch.equal(back[k], hf[k]) for k in hf)
+    assert trainer.export_weights(tmp_path / "exports") == out  # replaced whole
+    assert [p.name for p in (tmp_path / "exports").iterdir()] == ["v000000"]
+    trainer.save_checkpoint(tmp_path / "ckpt" / "trainer.pt")
+    trainer.offload()
+    with pytest.raises(RuntimeError, match="offloaded"):
+        trainer.logprobs([1, 2, 3])
+    trainer.onload()
+    trainer.load_checkpoint(tmp_path / "ckpt" / "trainer.pt")
+    again = read_weights(trainer.export_weights(tmp_path / "again"))
+    assert trainer.version == 0 and all(torch.equal(again[k], hf[k]) for k in hf)

@@ -174,6 +174,21 @@ def logits(model: torch.nn.Module, token_ids: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def token_logprobs(model: torch.nn.Module, token_ids: torch.Tensor) -> torch.Tensor:
+    """``[batch, seq]`` token ids -> ``[batch, seq - 1]``: the logprob of each token after
+    the ones before it (Megatron's vocab-parallel cross entropy, in float32, negated)."""
+    batch, seq = token_ids.shape
+    positions = torch.arange(seq, device=token_ids.device).expand(batch, seq)
+    labels = torch.roll(token_ids, -1, dims=1)  # position i predicts token i + 1; last unused
+    loss: torch.Tensor = model(
+        input_ids=token_ids,
+        position_ids=positions,
+        attention_mask=causal_mask(seq, token_ids.device),
+        labels=labels,
+    )
+    return -loss[:, :-1]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
