@@ -45,9 +45,11 @@ def resolve_spec(spec: str) -> Spec:
     """``auto`` -> ``te`` when Transformer Engine is installed, else ``local``."""
     if spec == "auto":
         return "te" if transformer_engine_available() else "local"
-    if spec not in ("local", "te"):
-        raise ValueError(f"spec: {spec!r} is not one of auto, local, te")
-    return "te" if spec == "te" else "local"
+    if spec == "te":
+        return "te"
+    if spec == "local":
+        return "local"
+    raise ValueError(f"spec: {spec!r} is not one of auto, local, te")
 
 
 def init_parallel(device: torch.device, seed: int = 0) -> None:
@@ -58,6 +60,8 @@ def init_parallel(device: torch.device, seed: int = 0) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
 
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # before NCCL's communicators are made
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
@@ -68,7 +72,6 @@ def init_parallel(device: torch.device, seed: int = 0) -> None:
             tensor_model_parallel_size=1, pipeline_model_parallel_size=1
         )
     if device.type == "cuda":
-        torch.cuda.set_device(device)
         tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
 
 
