@@ -51,10 +51,15 @@ def _normal(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
+# Modules whose distribution is named otherwise.
+DISTRIBUTION_OF_MODULE = {"megatron": "megatron-core"}
+
+
 def test_every_extra_module_is_in_its_extra() -> None:
     extras = PROJECT["optional-dependencies"]
     for module, extra in EXTRA_OF_MODULE.items():
-        assert _normal(module) in _names(extras[extra]), f"{module} is not in pearl[{extra}]"
+        distribution = _normal(DISTRIBUTION_OF_MODULE.get(module, module))
+        assert distribution in _names(extras[extra]), f"{module} is not in pearl[{extra}]"
 
 
 def test_the_command_line_imports_no_extra() -> None:
