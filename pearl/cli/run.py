@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     if args.print_config:
         print(config.model_dump_json(indent=2))
         return 0
-    for module in ("torch", "fastapi", "uvicorn", "safetensors", "tokenizers"):
+    for module in ("torch", "fastapi", "uvicorn", "safetensors", "tokenizers", "rich"):
         require(module)
     from pearl.run.local import run as run_local
 

@@ -25,6 +25,7 @@ EXTRA_OF_MODULE = {
     "fastapi": "engine",
     "uvicorn": "engine",
     "prometheus_client": "engine",
+    "rich": "engine",
     "megatron": "megatron",  # megatron-core's package (pearl.trainer.megatron)
     "transformers": "dev",  # the naive baseline of ``pearl bench engine``
 }

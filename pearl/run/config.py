@@ -35,9 +35,9 @@ class ModelSection(Frozen):
 
 
 class RolloutSection(Frozen):
-    group_size: PosInt = Field(8, description="Samples per task (a GRPO group).")
+    group_size: PosInt = Field(4, description="Samples per task (a GRPO group).")
     batch_trajectories: PosInt = Field(
-        32, description="Trajectories per update (whole groups: a multiple of group_size)."
+        64, description="Trajectories per update (whole groups: a multiple of group_size)."
     )
     max_staleness_versions: NonNegInt = Field(
         1, description="A trajectory is trained at most this many versions after admission."
@@ -113,7 +113,7 @@ class TrainerSection(Frozen):
     backend: Literal["reference"] = Field(
         "reference", description="The torch CPU trainer (megatron: on GPUs)."
     )
-    steps: PosInt = Field(20, description="Updates the run trains.")
+    steps: PosInt = Field(60, description="Updates the run trains.")
     optimizer: TrainerConfig = Field(
         default_factory=TrainerConfig, description="The loss and the optimiser."
     )

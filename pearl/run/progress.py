@@ -32,9 +32,11 @@ class StepReport:
     elastic: int = 0
 
 
-COLUMNS = ("step", "version", "reward", "loss", "tok/s", "wait s", "train s", "sync s", "PD")
-COLUMNS += ("lent", "elastic")
-WIDTHS = (4, 7, 6, 8, 6, 6, 7, 6, 14, 4, 7)  # every line's columns align
+COLUMNS = (
+    *("step", "version", "reward", "loss", "tok/s", "wait s", "train s", "sync s"),
+    *("PD", "lent", "elastic"),
+)
+WIDTHS = (5, 8, 7, 9, 7, 7, 8, 7, 14, 5, 8)  # every line's columns align
 
 
 class RunDisplay:
