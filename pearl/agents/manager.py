@@ -135,6 +135,7 @@ class RolloutManager:
         self._journal: RolloutJournal | None = None
         self._log: RunLogWriter | None = None
         self._turns_done: dict[str, int] = {}  # replayed: turns of the running ones
+        self.generated_tokens = 0  # by this incarnation's model turns (wasted ones included)
         self._completed_logged = -1  # the last batch logged batch_completed
         self._batch_started_t = 0.0  # when the previous batch was taken
         # the books changed: admission may go on / a batch may be complete
@@ -259,6 +260,7 @@ class RolloutManager:
 
     def model_turn_ended(self, traj_id: str, turn: int, out: TurnOutput) -> None:
         live = self.live[traj_id]
+        self.generated_tokens += len(out.token_ids)
         spans = _spans(out.versions)
         for version, n in spans:
             self.ledger.generated(traj_id, n, version)

@@ -27,15 +27,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from pearl.agents.manager import RolloutManager
 from pearl.bench.engine_proc import EngineProcess
 from pearl.control.workers import free_port
-from pearl.core.roles import Role
+from pearl.core.roles import Phase, Role
 from pearl.engines.reference.tiny import init_model
 from pearl.engines.reference.tokenizer import load
 from pearl.envs import registry
@@ -44,8 +45,8 @@ from pearl.run.config import RunConfig
 from pearl.run.progress import RunDisplay, StepReport
 from pearl.runlog.schema import RunEnded, TrainStep
 from pearl.trainer.checkpoint import CheckpointDir
-from pearl.trainer.loop import ManagerSource, train
-from pearl.trainer.publish import WeightPublisher
+from pearl.trainer.loop import ManagerSource, resume_and_publish, train
+from pearl.trainer.publish import PublishResult, WeightPublisher
 from pearl.trainer.reference import ReferenceTrainer
 
 
@@ -54,6 +55,7 @@ class RunResult:
     steps: list[StepReport]
     wall_s: float
     run_dir: Path
+    generated_tokens: int  # by the rollout in this invocation
 
 
 def model_dir(config: RunConfig, base: Path, run_dir: Path) -> Path:
@@ -84,30 +86,64 @@ def pd_label(router: Router) -> str:
     return f"colocated x{counts[Role.COLOCATED]}"
 
 
-@contextlib.contextmanager
-def engines_running(config: RunConfig, model: Path, run_dir: Path) -> Iterator[list[EngineProcess]]:
+@contextlib.asynccontextmanager
+async def engines_running(
+    config: RunConfig, model: Path, run_dir: Path
+) -> AsyncIterator[list[EngineProcess]]:
+    """The run's engines, started side by side and healthy; every one started is stopped
+    on the way out, whatever ends the run."""
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     e = config.engines
-    extra = ("--max-num-seqs", str(e.max_num_seqs))
-    procs = [
-        EngineProcess(
-            model,
-            kv_port=free_port(),
-            engine_id=f"e{i}",
-            threads=e.threads,
-            extra=extra,
-            log_dir=logs,
-        ).start()
-        for i in range(e.count)
-    ]
+    procs: list[EngineProcess] = []
     try:
+        for i in range(e.count):
+            proc = EngineProcess(
+                model,
+                kv_port=free_port(),
+                engine_id=f"e{i}",
+                threads=e.threads,
+                extra=("--max-num-seqs", str(e.max_num_seqs)),
+                log_dir=logs,
+            )
+            procs.append(proc.start())
         for p in procs:
-            p.wait_healthy()
+            await asyncio.to_thread(p.wait_healthy)
         yield procs
     finally:
         for p in procs:
             p.stop()
+
+
+class RunStateError(ValueError):
+    """The run directory's books disagree (checkpoints against the rollout's journal)."""
+
+
+def check_books(manager: RolloutManager, step: int, run_dir: Path) -> None:
+    """After a resume the trainer's next step ``step`` and the rollout's books must agree:
+    batch ``step`` taken or next, the weights those of ``step`` or the one before."""
+    led = manager.ledger
+    if led.totals.batches not in (step, step + 1) or led.version not in (step - 1, step):
+        raise RunStateError(
+            f"{run_dir}: checkpoints: the trainer resumes at step {step}, but the rollout's "
+            f"journal has taken {led.totals.batches} batches at version {led.version} "
+            "(checkpoints or journal removed or from another run?)"
+        )
+
+
+def reload_failures(
+    router: Router, published: PublishResult | None, note: Callable[[str], None]
+) -> None:
+    """An engine that did not take the new weights leaves the router (it would go on
+    serving old ones); none taking them ends the run."""
+    if published is None or not published.failed:
+        return
+    for failure in published.failed:
+        if failure.name in router.table:
+            router.table.remove(failure.name)
+        note(f"engine {failure.name} left the rollout: weights not reloaded: {failure.error}")
+    if not published.reloaded:
+        raise RuntimeError(f"no engine took the weights of version {published.version}")
 
 
 async def run_local(config: RunConfig, base: Path, display: RunDisplay | None = None) -> RunResult:
@@ -116,76 +152,116 @@ async def run_local(config: RunConfig, base: Path, display: RunDisplay | None = 
     run_dir.mkdir(parents=True, exist_ok=True)
     model = model_dir(config, base, run_dir)
     note: Callable[[str], None] = display.note if display else (lambda _: None)
-    note(f"starting {config.engines.count} engines on {model}")
     reports: list[StepReport] = []
-    with engines_running(config, model, run_dir) as procs:
-        router = Router()
-        for i, (p, role) in enumerate(zip(procs, roles(config), strict=True)):
-            router.table.add(f"e{i}", p.url, role)
-            router.table.ready(f"e{i}")
-        manager = await RolloutManager.open(
-            router,
-            lambda: registry.make(config.env, "<config>"),
-            load(model),
-            config.rollout.manager_config(),
-            run_dir,
-        )
-        trainer = ReferenceTrainer(model, config.trainer.optimizer)
-        publisher = WeightPublisher(
-            run_dir / "weights", lambda: {i.worker_id: i.url for i in router.table}
-        )
-        manager.start()
-        note("rollout running")
-        try:
-            last_s, last_tokens = time.monotonic(), manager.ledger.totals.consumed_tokens
-            async for out in train(
+    router = Router()
+    manager = await RolloutManager.open(  # the journal first: a bad one stops the run here
+        router,
+        lambda: registry.make(config.env, base / "<config>", relative_to=base),
+        load(model),
+        config.rollout.manager_config(),
+        run_dir,
+    )
+    try:
+        note(f"starting {config.engines.count} engines on {model}")
+        async with engines_running(config, model, run_dir) as procs:
+            for i, (p, role) in enumerate(zip(procs, roles(config), strict=True)):
+                router.table.add(f"e{i}", p.url, role)
+                router.table.ready(f"e{i}")
+            trainer = ReferenceTrainer(model, config.trainer.optimizer)
+            publisher = WeightPublisher(
+                run_dir / "weights",
+                lambda: {i.worker_id: i.url for i in router.table if i.phase is not Phase.GONE},
+            )
+            source = ManagerSource(manager)
+            checkpoints = CheckpointDir(run_dir / "checkpoints")
+            step = await resume_and_publish(trainer, source, checkpoints, publisher)
+            check_books(manager, step, run_dir)
+            manager.start()  # after the resume's weights are on the engines
+            note("rollout running")
+            await _train(
+                config,
+                manager,
+                router,
                 trainer,
-                ManagerSource(manager),
-                CheckpointDir(run_dir / "checkpoints"),
-                config.trainer.steps,
+                source,
+                checkpoints,
                 publisher,
-            ):
-                m = out.metrics
-                sync_s = out.published.duration_s if out.published else 0.0
-                now_s = time.monotonic()
-                tokens = manager.ledger.totals.consumed_tokens
-                report = StepReport(
-                    step=m.step,
-                    version=m.version,
-                    reward_mean=m.reward_mean,
-                    loss=m.loss,
-                    tokens_per_s=(tokens - last_tokens) / max(now_s - last_s, 1e-9),
-                    batch_wait_s=max(now_s - last_s - m.time_s - sync_s, 0.0),
-                    train_s=m.time_s,
-                    sync_s=sync_s,
-                    pd=pd_label(router),
-                )
-                last_s, last_tokens = now_s, tokens
-                manager.log_record(
-                    TrainStep.model_construct(
-                        t=manager.now_s(),
-                        step=m.step,
-                        started_t=max(manager.now_s() - m.time_s - sync_s, 0.0),
-                        policy_version=m.version,
-                        waited_for_gpus_s=0.0,
-                        reward_mean=m.reward_mean,
-                        loss=m.loss,
-                        tokens=m.tokens,
-                        sync_s=sync_s,
-                    )
-                )
-                reports.append(report)
-                if display:
-                    display.step(report)
+                step,
+                reports,
+                display,
+            )
             manager.log_record(RunEnded(t=manager.now_s(), reason="trained"))
-        finally:
-            await manager.close()
-            await router.aclose()
-    return RunResult(reports, time.monotonic() - t0, run_dir)
+    finally:
+        await manager.close()
+        await router.aclose()
+    return RunResult(reports, time.monotonic() - t0, run_dir, manager.generated_tokens)
+
+
+async def _train(
+    config: RunConfig,
+    manager: RolloutManager,
+    router: Router,
+    trainer: ReferenceTrainer,
+    source: ManagerSource,
+    checkpoints: CheckpointDir,
+    publisher: WeightPublisher,
+    step: int,
+    reports: list[StepReport],
+    display: RunDisplay | None,
+) -> None:
+    note: Callable[[str], None] = display.note if display else (lambda _: None)
+    last_s, last_tokens = time.monotonic(), manager.generated_tokens
+    async for out in train(
+        trainer, source, checkpoints, config.trainer.steps, publisher, resumed=step
+    ):
+        reload_failures(router, out.published, note)
+        m = out.metrics
+        sync_s = out.published.duration_s if out.published else 0.0
+        now_s = time.monotonic()
+        report = StepReport(
+            step=m.step,
+            version=m.version,
+            reward_mean=m.reward_mean,
+            loss=m.loss,
+            tokens_per_s=(manager.generated_tokens - last_tokens) / max(now_s - last_s, 1e-9),
+            batch_wait_s=out.batch_wait_s,
+            train_s=m.time_s,
+            sync_s=sync_s,
+            pd=pd_label(router),
+        )
+        last_s, last_tokens = now_s, manager.generated_tokens
+        t = manager.now_s()
+        manager.log_record(
+            TrainStep.model_construct(
+                t=t,
+                step=m.step,
+                started_t=max(t - out.elapsed_s, 0.0),
+                policy_version=m.version,
+                waited_for_gpus_s=0.0,
+                reward_mean=m.reward_mean,
+                loss=m.loss,
+                tokens=m.tokens,
+                sync_s=sync_s,
+            )
+        )
+        reports.append(report)
+        if display:
+            display.step(report)
 
 
 def run(config: RunConfig, base: Path, show: bool = True) -> RunResult:
+    """The run, to its end or to SIGINT / SIGTERM (which stop it as cleanly: the engines
+    stopped, the manager's books closed; the same command resumes it)."""
+
+    async def main(display: RunDisplay | None) -> RunResult:
+        task = asyncio.current_task()
+        assert task is not None
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            loop.add_signal_handler(sig, task.cancel)
+        return await run_local(config, base, display)
+
     if not show:
-        return asyncio.run(run_local(config, base))
+        return asyncio.run(main(None))
     with RunDisplay(config.trainer.steps) as display:
-        return asyncio.run(run_local(config, base, display))
+        return asyncio.run(main(display))

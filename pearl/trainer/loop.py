@@ -25,6 +25,7 @@ of a manager in another process (``SpoolSource``).
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,6 +88,9 @@ class StepOutcome:
     metrics: TrainMetrics
     checkpoint: Path
     published: PublishResult | None
+    batch_wait_s: float  # the wait for the batch
+    checkpoint_s: float  # the commit
+    elapsed_s: float  # from the batch's arrival to the end of the step (updated included)
 
 
 def resume(trainer: Trainer, checkpoints: CheckpointDir) -> int:
@@ -105,20 +109,45 @@ async def train(
     checkpoints: CheckpointDir,
     num_steps: int,
     publisher: Publisher | None = None,
+    *,
+    resumed: int | None = None,
 ) -> AsyncIterator[StepOutcome]:
     """Train batches ``step .. num_steps - 1`` (``step`` from the latest checkpoint), one
-    outcome per update; see the module docstring."""
+    outcome per update; see the module docstring. ``resumed``: the caller has already
+    resumed (``resume_and_publish``) at that step."""
+    step = (
+        resumed
+        if resumed is not None
+        else await resume_and_publish(trainer, source, checkpoints, publisher)
+    )
+    for k in range(step, num_steps):
+        waited = time.perf_counter()
+        batch = await source.batch(k)
+        arrived = time.perf_counter()
+        metrics = await asyncio.to_thread(trainer.train_step, batch)
+        path = checkpoints.path(k + 1)
+        committing = time.perf_counter()
+        await asyncio.to_thread(trainer.save_checkpoint, path)
+        checkpoint_s = time.perf_counter() - committing
+        checkpoints.prune()
+        published = await publisher.publish(trainer) if publisher is not None else None
+        await source.updated(trainer.version)
+        elapsed_s = time.perf_counter() - arrived
+        yield StepOutcome(metrics, path, published, arrived - waited, checkpoint_s, elapsed_s)
+
+
+async def resume_and_publish(
+    trainer: Trainer,
+    source: BatchSource,
+    checkpoints: CheckpointDir,
+    publisher: Publisher | None = None,
+) -> int:
+    """Load the latest checkpoint; after one, publish its weights and report its version
+    (both idempotent); the step to train next. A run calls it before its rollout starts,
+    so that no trajectory runs on older weights than the checkpoint's."""
     step = await asyncio.to_thread(resume, trainer, checkpoints)
     if step > 0:
         if publisher is not None:
             await publisher.publish(trainer)
         await source.updated(trainer.version)
-    for k in range(step, num_steps):
-        batch = await source.batch(k)
-        metrics = await asyncio.to_thread(trainer.train_step, batch)
-        path = checkpoints.path(k + 1)
-        await asyncio.to_thread(trainer.save_checkpoint, path)
-        checkpoints.prune()
-        published = await publisher.publish(trainer) if publisher is not None else None
-        await source.updated(trainer.version)
-        yield StepOutcome(metrics, path, published)
+    return step

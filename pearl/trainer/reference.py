@@ -238,7 +238,11 @@ class ReferenceTrainer:
         """The batch's trainable sequences, and the rewards of the trajectories that count."""
         trajs = batch.trajectories
         rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
-        masked = [t.end_reason in self.config.masked_end_reasons for t in trajs]
+        # masked: ended for a reason that says nothing of the policy, or nothing generated
+        # (an episode its environment ended at reset): neither counts in its group
+        masked = [
+            t.end_reason in self.config.masked_end_reasons or not any(t.loss_mask) for t in trajs
+        ]
         valid = ~torch.tensor(masked, dtype=torch.bool) & torch.isfinite(rewards)
         adv = group_advantages(
             rewards,
