@@ -32,8 +32,8 @@ class StepReport:
     elastic: int = 0
 
 
-COLUMNS = ("step", "version", "reward", "loss", "tok/s", "wait s", "train s", "sync s", "PD")
-COLUMNS += ("lent", "elastic")
+COLUMNS: tuple[str, ...] = ("step", "version", "reward", "loss", "tok/s", "wait s", "train s")
+COLUMNS += ("sync s", "PD", "lent", "elastic")
 WIDTHS = (4, 7, 6, 8, 6, 6, 7, 6, 14, 4, 7)  # every line's columns align
 
 
