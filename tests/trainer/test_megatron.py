@@ -498,7 +498,7 @@ GRAD_AGREE = 1e-6  # each optimizer step's gradient, through the name mapping (s
 # 1e-4, not the default 1e-8: Adam's first step is lr * g / (|g| + eps), whose slope in g
 # is up to lr / eps, so at the default a gradient element near 1e-8 turns the two
 # forwards' float32 rounding (gradients agree to ~1e-7) into a weight gap of ~3e-5 (one
-# element in 80k, seen); at 1e-4 that gain is at most lr / eps = 10.
+# element in 131k, seen); at 1e-4 that gain is at most lr / eps = 10.
 AGREE_CONFIG: dict[str, float] = {
     "lr": 1e-3,
     "adam_eps": 1e-4,
