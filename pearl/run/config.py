@@ -19,7 +19,7 @@ from pearl.envs import registry
 from pearl.io.documents import parse, read_document
 from pearl.rollout.rules import Batching, PastBound, RolloutRules
 from pearl.router.router import Sampling
-from pearl.trainer.reference import TrainerConfig
+from pearl.trainer.config import TrainerConfig
 
 PosInt = Annotated[int, Field(gt=0)]
 PosFloat = Annotated[float, Field(gt=0)]

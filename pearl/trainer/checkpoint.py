@@ -136,6 +136,14 @@ class CheckpointState:
     config: dict[str, Any]  # the trainer's configuration (for the record)
 
 
+def copy_model_config(model_dir: Path, d: Path) -> None:
+    """The model directory's ``config.json`` and ``generation_config.json`` (where it has
+    one) into ``d``: with a ``model.safetensors`` beside them, ``d`` loads as the model."""
+    for name in (CONFIG_FILE, GENERATION_CONFIG_FILE):
+        if (model_dir / name).is_file():
+            shutil.copyfile(model_dir / name, d / name)
+
+
 def write_checkpoint(path: Path, state: CheckpointState, model_dir: Path) -> None:
     """Write ``state`` to the directory ``path`` atomically, with the model's config files
     (so the directory also loads as a Hugging Face model)."""
@@ -143,9 +151,7 @@ def write_checkpoint(path: Path, state: CheckpointState, model_dir: Path) -> Non
         save_file(state.weights, d / MODEL_FILE, metadata={"format": "pt"})
         rng = {f"rng.{k}": v for k, v in state.rng.items()}
         save_file(state.optimizer | rng, d / OPTIMIZER_FILE, metadata={"format": "pt"})
-        for name in (CONFIG_FILE, GENERATION_CONFIG_FILE):
-            if (model_dir / name).is_file():
-                shutil.copyfile(model_dir / name, d / name)
+        copy_model_config(model_dir, d)
         doc = {
             "format": FORMAT,
             "step": state.step,

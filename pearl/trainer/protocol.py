@@ -1,8 +1,10 @@
 """What every trainer backend implements: one committed update per batch, its weights
 exported for the engines, its device memory lent and taken back, its state checkpointed.
 
-The reference backend is ``pearl.trainer.reference.ReferenceTrainer`` (torch on CPU);
-``docs/training.md`` describes the loss, the checkpoint and the weight sync.
+The backends are ``pearl.trainer.reference.ReferenceTrainer`` (torch on CPU) and
+``pearl.trainer.megatron.trainer.MegatronTrainer`` (Megatron-core on a GPU), both
+``pearl.trainer.grpo.GrpoTrainer``s (the update, metrics, export and checkpoints written
+once); ``docs/training.md`` describes the loss, the checkpoint and the weight sync.
 """
 
 from __future__ import annotations

@@ -9,8 +9,9 @@ What is faked, and only here (:func:`cpu_forward`): Megatron's forward pass has 
 edges: the rotary embedding moves its frequencies to ``torch.cuda.current_device()``
 (patched to answer "cpu"), and the attention dropout forks the CUDA RNG tracker (patched
 to a no-op; dropout is 0). The third, the default causal mask made on CUDA, is not faked:
-``model.causal_mask`` passes an explicit mask off CUDA. Training steps and the reload into
-vLLM need a GPU: ``scripts/device-check``.
+``model.causal_mask`` passes an explicit mask off CUDA. With them, one training step equals
+the reference trainer's (loss, metrics, gradients, updated weights). CUDA steps, bfloat16
+and the reload into vLLM need a GPU: ``scripts/device-check``.
 """
 
 from __future__ import annotations
@@ -23,8 +24,17 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+from pearl.agents.batches import RolloutBatch
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from pearl.trainer.grpo import GrpoTrainer
+    from pearl.trainer.model import PolicyModel
 
 torch = pytest.importorskip("torch", reason="needs the engine extra: pip install 'pearl[engine]'")
 
@@ -286,7 +296,7 @@ def test_unsupported_configs_are_refused_in_one_line_naming_the_field(
         pytest.param({"pipeline_model_parallel_size": 2}, "pipeline_model_parallel_size", id="pp"),
         pytest.param({"compute_dtype": "float16"}, "compute_dtype", id="float16"),
         pytest.param({"spec": "apex"}, "spec", id="spec"),
-        pytest.param({"lr": 0}, "lr", id="lr"),
+        pytest.param({"lr": 1e-6}, "lr", id="lr-is-the-trainer-configs"),
         pytest.param({"learning_rate": 1e-6}, "learning_rate", id="unknown"),
     ],
 )
@@ -449,39 +459,12 @@ def test_token_logprobs_are_transformers_log_softmax(
     assert ours.shape == (2, 9) and (ours - theirs).abs().max().item() < TOL
 
 
-def test_a_batch_packs_shifted_with_unusable_logprobs_masked() -> None:
-    from pearl.agents.batches import RolloutBatch
-    from pearl.agents.loop import Trajectory
-    from pearl.trainer.megatron.trainer import pack
-
-    a, b = Trajectory(traj_id="a"), Trajectory(traj_id="b")
-    a.append([1, 2], generated=False)
-    a.append([3, 4, 5], generated=True, logprobs=[-0.5, float("-inf"), -1.5], versions=[0] * 3)
-    b.append([6], generated=False)
-    b.append([7], generated=True, logprobs=[-2.0], versions=[0])
-    batch = RolloutBatch(
-        batch_id=0,
-        policy_version=0,
-        trajectories=(a, b),
-        group_ids=(0, 0),
-        off_policy_tokens=0,
-        max_staleness_versions=0,
-        mean_staleness_versions=0.0,
-    )
-    p = pack(batch, torch.tensor([1.0, -1.0]), [0, 1], torch.device("cpu"))
-    assert p.token_ids.tolist() == [[1, 2, 3, 4, 5], [6, 7, 0, 0, 0]]
-    # entry i is about token i + 1: a's tokens 3 and 5 (4's logprob is -inf), b's token 7
-    assert p.loss_mask.tolist() == [[0, 1, 0, 1], [1, 0, 0, 0]]
-    assert p.old_logprobs.tolist() == [[0, -0.5, 0, -1.5], [-2.0, 0, 0, 0]]
-    assert p.advantages.tolist() == [[1.0] * 4, [-1.0] * 4]
-
-
 def test_an_export_is_a_model_directory_with_the_same_weights(
     megatron_cpu: object, models: dict[str, Path], tmp_path: Path
 ) -> None:
     """Version 0 exported: bit for bit the weights it was built from, beside the model
-    directory's config and tokenizer; checkpoints and offload keep the weights. (Training
-    steps need CUDA and the loss module: scripts/device-check.)"""
+    directory's config (the reference trainer's layout, ``pearl.trainer.grpo``);
+    checkpoints and offload keep the weights."""
     from pearl.trainer.megatron.trainer import MegatronTrainer
 
     src = models["gqa-untied"]
@@ -489,22 +472,118 @@ def test_an_export_is_a_model_directory_with_the_same_weights(
     out = trainer.export_weights(tmp_path / "exports")
     assert out == tmp_path / "exports" / "v000000"
     files = sorted(p.name for p in out.iterdir())
-    assert files == [
-        "config.json",
-        "generation_config.json",
-        "model.safetensors",
-        "tokenizer.json",
-        "tokenizer_config.json",
-    ]
+    assert files == ["config.json", "generation_config.json", "model.safetensors"]
     hf, back = read_weights(src), read_weights(out)
     assert set(back) == set(hf) and all(torch.equal(back[k], hf[k]) for k in hf)
     assert trainer.export_weights(tmp_path / "exports") == out  # replaced whole
     assert [p.name for p in (tmp_path / "exports").iterdir()] == ["v000000"]
-    trainer.save_checkpoint(tmp_path / "ckpt" / "trainer.pt")
+    trainer.save_checkpoint(tmp_path / "ckpt")
+    assert (tmp_path / "ckpt" / "trainer.json").is_file()
     trainer.offload()
     with pytest.raises(RuntimeError, match="offloaded"):
         trainer.logprobs([1, 2, 3])
     trainer.onload()
-    trainer.load_checkpoint(tmp_path / "ckpt" / "trainer.pt")
+    trainer.load_checkpoint(tmp_path / "ckpt")
     again = read_weights(trainer.export_weights(tmp_path / "again"))
     assert trainer.version == 0 and all(torch.equal(again[k], hf[k]) for k in hf)
+
+
+# -- 4. the same update as the reference trainer -------------------------------------------
+
+AGREE = 1e-5  # loss, metrics and updated weights, Megatron's CPU step against the reference's
+GRAD_AGREE = 1e-6  # each optimizer step's gradient, through the name mapping (seen: 1e-7)
+# every knob that changes the loss away from its on-policy value: two minibatches (the
+# second one's ratio is off 1 and clipped), microbatches of two sequences, a cap that
+# masks tokens, clip-higher, the KL to a reference model, the gradient clipped. adam_eps
+# 1e-4, not the default 1e-8: Adam's first step is lr * g / (|g| + eps), whose slope in g
+# is up to lr / eps, so at the default a gradient element near 1e-8 turns the two
+# forwards' float32 rounding (gradients agree to ~1e-7) into a weight gap of ~3e-5 (one
+# element in 131k, seen); at 1e-4 that gain is at most lr / eps = 10.
+AGREE_CONFIG: dict[str, float] = {
+    "lr": 1e-3,
+    "adam_eps": 1e-4,
+    "minibatches": 2,
+    "max_tokens_per_microbatch": 24,
+    "eps_clip": 0.1,
+    "eps_clip_high": 0.15,
+    "behav_imp_weight_cap": 1.5,
+    "kl_coef": 0.05,
+    "grad_clip": 0.5,
+    "seed": 3,
+}
+
+
+def _agreement_batch(policy: PolicyModel) -> RolloutBatch:
+    """Three groups of four completions sampled from the model, their behaviour logprobs
+    perturbed (an older policy's, as it were: importance weights off 1, some over the
+    cap); one trajectory ``agent_error``, one with a NaN reward, one token's logprob -inf."""
+    from rollouts import batch_of, sample, subset_reward, trajectory
+
+    gen = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, 500, (5,), generator=gen).tolist() for _ in range(3)]
+    subset = frozenset(range(3, 200))
+    trajs = []
+    for i, (p, o, lp) in enumerate(sample(policy, prompts, 4, 6, gen)):
+        noisy = (torch.tensor(lp) + 0.4 * torch.randn(len(lp), generator=gen)).tolist()
+        end = "agent_error" if i == 1 else "answered"
+        reward = float("nan") if i == 6 else subset_reward(o, subset)
+        trajs.append(trajectory(f"t{i}", p, o, noisy, 0, reward, end_reason=end))
+    trajs[9].logprobs[5 + 2] = float("-inf")  # its third generated token
+    return batch_of(0, 0, trajs, 4)
+
+
+def _record_gradients(trainer: GrpoTrainer, mp: pytest.MonkeyPatch) -> list[dict[str, Tensor]]:
+    """Each optimizer step's gradients (after the clip), by the trainer's parameter names."""
+    seen: list[dict[str, Tensor]] = []
+    step = trainer.optimizer.step
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        params = trainer.optimizer.param_groups[0]["params"]
+        seen.append({n: p.grad.clone() for n, p in zip(trainer.names, params, strict=True)})
+        return step(*args, **kwargs)
+
+    mp.setattr(trainer.optimizer, "step", recording)
+    return seen
+
+
+@pytest.mark.parametrize("which", ["gqa-tied", "gqa-untied"])
+def test_one_step_equals_the_reference_trainers(
+    megatron_cpu: object, models: dict[str, Path], which: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One ``train_step`` of ``MegatronTrainer`` (Megatron's CPU forward, float32) and of
+    ``ReferenceTrainer`` from the same model on the same batch with the same
+    ``TrainerConfig``: the same loss and metrics, the same gradient at each optimizer step
+    and the same updated weights, under Hugging Face names (both step torch's AdamW)."""
+    from pearl.trainer.config import TrainerConfig
+    from pearl.trainer.megatron.config import parse_options
+    from pearl.trainer.megatron.trainer import MegatronTrainer
+    from pearl.trainer.reference import ReferenceTrainer
+
+    config = TrainerConfig.model_validate(AGREE_CONFIG)
+    ref = ReferenceTrainer(models[which], config)
+    batch = _agreement_batch(ref.model)
+    options = parse_options({"spec": "local", "compute_dtype": "float32"})
+    meg = MegatronTrainer.start(models[which], config, options, device=torch.device("cpu"))
+    grads_meg, grads_ref = _record_gradients(meg, monkeypatch), _record_gradients(ref, monkeypatch)
+    with cpu_forward():
+        got = meg.train_step(batch)
+    want = ref.train_step(batch)
+    for name, value in dataclasses.asdict(want).items():
+        if name != "time_s":
+            assert getattr(got, name) == pytest.approx(value, abs=AGREE), name
+    # the batch exercises what it should: masked trajectories, the cap, the clip, the KL
+    assert want.tokens == 10 * 6 - 1 and want.clip_fraction > 0 and want.kl and want.kl > 0
+    assert want.importance_weight_mean != pytest.approx(1.0, abs=1e-3)
+    assert want.grad_norm > AGREE_CONFIG["grad_clip"]
+    assert len(grads_meg) == len(grads_ref) == 2
+    grad_gap = 0.0
+    for mine_g, theirs_g in zip(grads_meg, grads_ref, strict=True):
+        mapped = names.megatron_to_hf(mine_g, meg.cfg, "local")
+        assert mapped.keys() == theirs_g.keys()
+        grad_gap = max(grad_gap, *((mapped[k] - theirs_g[k]).abs().max().item() for k in mapped))
+    mine, theirs = meg.hf_weights(), ref.hf_weights()
+    assert mine.keys() == theirs.keys()
+    gap = max((mine[k] - theirs[k]).abs().max().item() for k in theirs)
+    start = read_weights(models[which])
+    moved = max((theirs[k] - start[k]).abs().max().item() for k in theirs)
+    assert grad_gap < GRAD_AGREE and gap < AGREE and moved > 100 * AGREE, (grad_gap, gap, moved)

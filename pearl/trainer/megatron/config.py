@@ -19,7 +19,7 @@ training. Each refusal is one ``InputError`` line naming the file and the field.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -30,7 +30,9 @@ OPTIONS_SOURCE = "<megatron options>"  # where a problem with MegatronOptions is
 
 
 class MegatronOptions(BaseModel):
-    """How the Megatron trainer builds and trains the model (what config.json does not say)."""
+    """How the Megatron trainer builds the model and runs its forward (what config.json
+    does not say). The loss, the batch layout and AdamW are ``pearl.trainer.config.
+    TrainerConfig``'s, the same as the reference trainer's."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -49,17 +51,6 @@ class MegatronOptions(BaseModel):
         "bfloat16",
         description="The forward and backward under autocast; parameters and Adam's state "
         "stay float32 (float16 would need a loss scaler, and is refused).",
-    )
-    lr: Annotated[float, Field(gt=0.0)] = Field(1e-6, description="AdamW's learning rate.")
-    weight_decay: Annotated[float, Field(ge=0.0)] = Field(0.0, description="AdamW's decay.")
-    adam_beta1: Annotated[float, Field(ge=0.0, lt=1.0)] = Field(0.9, description="AdamW's beta1.")
-    adam_beta2: Annotated[float, Field(ge=0.0, lt=1.0)] = Field(0.999, description="AdamW's beta2.")
-    adam_eps: Annotated[float, Field(gt=0.0)] = Field(1e-8, description="AdamW's epsilon.")
-    grad_clip_norm: Annotated[float, Field(gt=0.0)] = Field(
-        1.0, description="Gradients are clipped to this global norm before each step."
-    )
-    micro_batch_size: Annotated[int, Field(ge=1)] = Field(
-        4, description="Trajectories per forward/backward; a batch accumulates its gradients."
     )
     seed: int = Field(0, description="Megatron's model-parallel CUDA seed.")
 

@@ -9,7 +9,10 @@ trainer's. Prints one JSON object; exit status 0 when it passed, 1 when not.
    its own for the same tokens: ``gap_before`` (the HF -> Megatron mapping);
 2. ``groups`` groups of ``group_size`` sampled completions from the engine are a
    ``RolloutBatch`` (reward: the share of even token ids, so that advantages are not all
-   zero); ``steps`` ``train_step`` calls on it;
+   zero); ``steps`` ``train_step`` calls on it: the reference trainer's loss and update
+   (``pearl.trainer.grpo``, ``TrainerConfig`` defaults but ``lr``: decoupled, the proximal
+   logprobs recomputed at the start of each update), each step's ``TrainMetrics`` in
+   ``steps``, every loss and gradient norm finite;
 3. ``export_weights`` and ``reload_weights(weights_path=EXPORT)`` on the engine;
 4. the engine's greedy completion of the same prompt again (``seq1``): it must have moved
    (other tokens, or logprobs off by more than the tolerance), and equal the trainer's
@@ -25,9 +28,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import sys
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -121,12 +125,15 @@ async def run(args: Check, report: dict[str, Any]) -> None:
     import megatron.core
     import torch
 
+    from pearl.trainer.config import TrainerConfig
     from pearl.trainer.megatron.config import parse_options
     from pearl.trainer.megatron.trainer import MegatronTrainer
 
-    options = parse_options({"spec": args.spec, "lr": args.lr, "compute_dtype": "float32"})
+    config = TrainerConfig(lr=args.lr)  # the reference trainer's loss and AdamW otherwise
+    options = parse_options({"spec": args.spec, "compute_dtype": "float32"})
     report |= {"megatron_core": megatron.core.__version__, "torch": torch.__version__}
-    trainer = MegatronTrainer.start(args.model, options, device=torch.device(args.device))
+    device = torch.device(args.device)
+    trainer = MegatronTrainer.start(args.model, config, options, device=device)
     report["spec"] = trainer.spec
     n = len(PROMPT)
     async with EngineClient(args.engine_url, timeout_s=args.timeout_s) as c:
@@ -143,8 +150,11 @@ async def run(args: Check, report: dict[str, Any]) -> None:
             report["moved"] = seq1 != seq0 or _gap(engine1, engine0) > args.tolerance
         finally:
             await c.reload_weights(weights_path=str(args.model))
+    finite = all(math.isfinite(m[k]) for m in report["steps"] for k in ("loss", "grad_norm"))
+    report["finite"] = finite
     report["passed"] = bool(
-        report["gap_before"] <= args.tolerance
+        finite
+        and report["gap_before"] <= args.tolerance
         and report["gap_after"] <= args.tolerance
         and report["moved"]
     )
@@ -152,20 +162,7 @@ async def run(args: Check, report: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
-    check = Check(
-        model=a.model,
-        engine_url=a.engine_url,
-        served_model=a.served_model,
-        out=a.out,
-        steps=a.steps,
-        groups=a.groups,
-        group_size=a.group_size,
-        lr=a.lr,
-        spec=a.spec,
-        tolerance=a.tolerance,
-        timeout_s=a.timeout_s,
-        device=a.device,
-    )
+    check = Check(**{f.name: getattr(a, f.name) for f in fields(Check)})  # the flags' names
     report: dict[str, Any] = {"check": {k: str(v) for k, v in asdict(check).items()}}
     try:
         asyncio.run(run(check, report))
