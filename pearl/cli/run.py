@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from pearl.io.documents import InputError
 from pearl.io.extras import require
 
 
@@ -42,7 +43,7 @@ def summary(
         "reward_mean_per_step": [round(r, 4) for r in rewards],
         "reward_first5_mean": None if first is None else round(first, 4),
         "reward_last5_mean": None if last is None else round(last, 4),
-        "rollout_tokens_per_s": round(tokens_per_s, 1),
+        "rollout_tokens_per_s": round(tokens_per_s, 1),  # generated, over the wall time
     }
 
 
@@ -51,12 +52,10 @@ def run(args: argparse.Namespace) -> int:
 
     config, base = load_run_config(args.config)
     changes: dict[str, Any] = {}
-    if args.run_dir is not None:
-        changes["run_dir"] = args.run_dir
+    if args.run_dir is not None:  # from the working directory, as a command line reads
+        changes["run_dir"] = str(Path(args.run_dir).resolve())
     if args.steps is not None:
         if args.steps < 1:
-            from pearl.io.documents import InputError
-
             raise InputError("<command line>", "--steps", f"at least 1, not {args.steps}")
         changes["trainer"] = config.trainer.model_copy(update={"steps": args.steps})
     if args.seed is not None:
@@ -68,11 +67,16 @@ def run(args: argparse.Namespace) -> int:
         return 0
     for module in ("torch", "fastapi", "uvicorn", "safetensors", "tokenizers", "rich"):
         require(module)
+    from pearl.agents.journal import JournalError
+    from pearl.run.local import RunStateError
     from pearl.run.local import run as run_local
 
-    result = run_local(config, base, show=not args.json)
+    try:
+        result = run_local(config, base, show=not args.json)
+    except (JournalError, RunStateError) as err:  # the run directory's books, not a bug
+        raise InputError(config.run_dir, "run_dir", str(err)) from None
     rewards = [s.reward_mean for s in result.steps]
-    tps = sum(s.tokens_per_s for s in result.steps) / max(len(result.steps), 1)
+    tps = result.generated_tokens / max(result.wall_s, 1e-9)
     doc = summary(rewards, result.wall_s, result.run_dir, tps)
     print(json.dumps(doc) if args.json else json.dumps(doc, indent=2))
     return 0

@@ -60,6 +60,21 @@ def test_pearl_run_trains_logs_and_resumes(tmp_path: Path) -> None:
     assert run["rollout_turns"]["turns"] > 0
 
 
+def test_a_resume_under_another_seed_is_refused_in_one_line(tmp_path: Path) -> None:
+    """The rollout's journal keeps the run's seed: a resume that changes it is refused
+    before any engine starts, naming the field."""
+    (tmp_path / "run.yaml").write_text(SMALL + "run_dir: out\n", encoding="utf-8")
+    journal = tmp_path / "out" / "rollout" / "journal.jsonl"
+    journal.parent.mkdir(parents=True)
+    start = {"e": "start", "t": 0.0, "run_started_unix_s": 1.0, "seed": 5}
+    journal.write_text(json.dumps(start) + "\n", encoding="utf-8")
+    bad = _pearl("run", "run.yaml", "--json", cwd=tmp_path)
+    assert bad.returncode == 2, bad.stderr[-2000:]
+    assert bad.stderr.strip().count("\n") == 0, bad.stderr
+    assert "journal.jsonl:1: field 'rules'" in bad.stderr
+    assert not (tmp_path / "out" / "logs").exists()  # no engine started
+
+
 def test_a_bad_run_config_is_one_line_and_exit_2(tmp_path: Path) -> None:
     (tmp_path / "bad.yaml").write_text("rollout: {group_size: 3, batch_trajectories: 8}\n")
     bad = _pearl("run", "bad.yaml", cwd=tmp_path)
