@@ -25,7 +25,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "slurm" / "dev-cluster"
 GRACE_S = 10  # GraceTime of the elastic partition
-PORT_BASE = "36800"
+PORT_BASE = "20800"  # below the ephemeral range (32768-60999): free_port never takes these
 SLURM_TOOLS = ("slurmctld", "slurmd", "slurmdbd", "munged", "mariadbd", "sbatch", "sacct")
 
 

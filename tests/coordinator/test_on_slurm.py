@@ -28,7 +28,7 @@ from pearl.engines.client import call
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevCluster]:
-    yield from dev_cluster(tmp_path_factory, port_base="46800")
+    yield from dev_cluster(tmp_path_factory, port_base="22800")
 
 
 def _config(tmp_path: Path) -> Path:

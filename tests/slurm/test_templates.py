@@ -15,7 +15,7 @@ from pearl.coordinator.journal import replay
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevCluster]:
-    for c in dev_cluster(tmp_path_factory, port_base="56800"):
+    for c in dev_cluster(tmp_path_factory, port_base="24800"):
         c.env["PEARL"] = str(REPO / ".venv" / "bin" / "pearl")  # the templates' $PEARL
         c.env["PEARL_PYTHON"] = str(REPO / ".venv" / "bin" / "python")
         yield c
