@@ -31,6 +31,7 @@ Every node is this machine: one local agent per node the run knows (the base job
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
@@ -38,7 +39,7 @@ import shutil
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,7 +86,7 @@ def engine_argv(model: Path, threads: int | None = None, extra: Sequence[str] = 
 @dataclass
 class LocalEngines(ProcessWorkers):
     """``ProcessWorkers`` on this machine's slots, with the trainer's published weights:
-    a started engine loads them once healthy; ``sync_weights`` reloads the latest."""
+    a started or woken engine loads them; ``sync_weights`` reloads the latest."""
 
     weights: Weights = lambda: None
     cores: dict[str, list[int]] = field(default_factory=dict)  # slot (GPU id) -> cores
@@ -112,6 +113,8 @@ class LocalEngines(ProcessWorkers):
             self._reload(cmd.worker_id, cmd.deadline_s)
             return
         super().execute(cmd)
+        if cmd.action is Action.WAKE:  # it slept through the updates since
+            self._reload(cmd.worker_id, cmd.deadline_s)
 
     def _reload(self, worker_id: str, timeout_s: float) -> None:
         latest = self.weights()
@@ -129,15 +132,16 @@ class LocalEngines(ProcessWorkers):
 class TrainerSlot:
     """The trainer's devices, as the plans lend them: ``offload``/``onload`` between
     updates (``update`` holds the same lock for the length of one, and waits while the
-    trainer is offloaded)."""
+    trainer is offloaded); ``status``, if given, hears when the trainer wants them."""
 
-    def __init__(self, trainer: Any) -> None:
-        self.trainer = trainer
+    def __init__(self, trainer: Any, status: TrainerSource | None = None) -> None:
+        self.trainer, self.status = trainer, status
         self.lock = threading.Lock()
         self._onloaded = threading.Event()
         self._onloaded.set()
         self.offloads = 0
         self.onloads = 0
+        self.last_wait_s = 0.0  # the last update's wait for its devices
 
     @property
     def offloaded(self) -> bool:
@@ -155,17 +159,32 @@ class TrainerSlot:
             self._onloaded.set()
             self.onloads += 1
 
-    async def update(self, fn: Callable[[], Any]) -> Any:
-        """``fn`` (an update) in a thread, once the trainer has its devices, under the lock."""
+    @contextlib.asynccontextmanager
+    async def update(self) -> AsyncIterator[None]:
+        """Hold the devices for one update (``pearl.trainer.loop.Devices``): the status
+        says the trainer needs them until they are back (``needs_gpus``), training while
+        it holds them, waiting after."""
+        if self.status is not None:
+            self.status.waiting(batch_ready=True)
+        t0 = time.monotonic()
+        await asyncio.to_thread(self._acquire)
+        self.last_wait_s = time.monotonic() - t0
+        try:
+            if self.status is not None:
+                self.status.training()
+            yield
+        finally:
+            self.lock.release()
+            if self.status is not None:
+                self.status.waiting()
 
-        def run() -> Any:
-            while True:
-                self._onloaded.wait()
-                with self.lock:
-                    if self._onloaded.is_set():
-                        return fn()
-
-        return await asyncio.to_thread(run)
+    def _acquire(self) -> None:
+        while True:
+            self._onloaded.wait()
+            self.lock.acquire()
+            if self._onloaded.is_set():
+                return
+            self.lock.release()
 
 
 @dataclass

@@ -41,6 +41,8 @@ from pearl.engines.reference.tokenizer import load
 from pearl.envs import registry
 from pearl.router.router import Router
 from pearl.run.config import RunConfig
+from pearl.run.control import TrainerSlot
+from pearl.run.coordinated import coordinator_running, until_serving
 from pearl.run.progress import RunDisplay, StepReport
 from pearl.runlog.schema import RunEnded, TrainStep
 from pearl.trainer.checkpoint import CheckpointDir
@@ -116,13 +118,18 @@ async def run_local(config: RunConfig, base: Path, display: RunDisplay | None = 
     run_dir.mkdir(parents=True, exist_ok=True)
     model = model_dir(config, base, run_dir)
     note: Callable[[str], None] = display.note if display else (lambda _: None)
-    note(f"starting {config.engines.count} engines on {model}")
+    coordinated = config.coordinator.enabled
+    if not coordinated:
+        note(f"starting {config.engines.count} engines on {model}")
     reports: list[StepReport] = []
-    with engines_running(config, model, run_dir) as procs:
+    async with contextlib.AsyncExitStack() as stack:
         router = Router()
-        for i, (p, role) in enumerate(zip(procs, roles(config), strict=True)):
-            router.table.add(f"e{i}", p.url, role)
-            router.table.ready(f"e{i}")
+        stack.push_async_callback(router.aclose)
+        if not coordinated:
+            procs = stack.enter_context(engines_running(config, model, run_dir))
+            for i, (p, role) in enumerate(zip(procs, roles(config), strict=True)):
+                router.table.add(f"e{i}", p.url, role)
+                router.table.ready(f"e{i}")
         manager = await RolloutManager.open(
             router,
             lambda: registry.make(config.env, "<config>"),
@@ -131,12 +138,28 @@ async def run_local(config: RunConfig, base: Path, display: RunDisplay | None = 
             run_dir,
         )
         trainer = ReferenceTrainer(model, config.trainer.optimizer)
+        latest: list[tuple[Path, int]] = []  # the weights published last
         publisher = WeightPublisher(
             run_dir / "weights", lambda: {i.worker_id: i.url for i in router.table}
         )
-        manager.start()
-        note("rollout running")
+        devices: TrainerSlot | None = None
         try:
+            if coordinated:
+                note("the coordinator decides: waiting for its first engines")
+                devices = await stack.enter_async_context(
+                    coordinator_running(
+                        config,
+                        model,
+                        run_dir,
+                        router,
+                        trainer,
+                        lambda: latest[-1] if latest else None,
+                        manager.now_s,
+                    )
+                )
+                await until_serving(router)
+            manager.start()
+            note("rollout running")
             last_s, last_tokens = time.monotonic(), manager.ledger.totals.consumed_tokens
             async for out in train(
                 trainer,
@@ -144,8 +167,11 @@ async def run_local(config: RunConfig, base: Path, display: RunDisplay | None = 
                 CheckpointDir(run_dir / "checkpoints"),
                 config.trainer.steps,
                 publisher,
+                devices,
             ):
                 m = out.metrics
+                if out.published is not None:
+                    latest.append((out.published.weights_dir, out.published.version))
                 sync_s = out.published.duration_s if out.published else 0.0
                 now_s = time.monotonic()
                 tokens = manager.ledger.totals.consumed_tokens
@@ -167,7 +193,7 @@ async def run_local(config: RunConfig, base: Path, display: RunDisplay | None = 
                         step=m.step,
                         started_t=max(manager.now_s() - m.time_s - sync_s, 0.0),
                         policy_version=m.version,
-                        waited_for_gpus_s=0.0,
+                        waited_for_gpus_s=devices.last_wait_s if devices else 0.0,
                         reward_mean=m.reward_mean,
                         loss=m.loss,
                         tokens=m.tokens,
@@ -180,7 +206,6 @@ async def run_local(config: RunConfig, base: Path, display: RunDisplay | None = 
             manager.log_record(RunEnded(t=manager.now_s(), reason="trained"))
         finally:
             await manager.close()
-            await router.aclose()
     return RunResult(reports, time.monotonic() - t0, run_dir)
 
 

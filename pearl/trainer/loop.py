@@ -25,6 +25,7 @@ of a manager in another process (``SpoolSource``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +52,14 @@ class BatchSource(Protocol):
 
 class Publisher(Protocol):
     async def publish(self, trainer: Trainer) -> PublishResult: ...
+
+
+class Devices(Protocol):
+    """The trainer's devices, where a coordinator lends them between updates
+    (``pearl.run.control.TrainerSlot``): ``update()`` holds them from the update to the
+    published weights, waiting first while they are lent."""
+
+    def update(self) -> contextlib.AbstractAsyncContextManager[None]: ...
 
 
 class ManagerSource:
@@ -105,9 +114,11 @@ async def train(
     checkpoints: CheckpointDir,
     num_steps: int,
     publisher: Publisher | None = None,
+    devices: Devices | None = None,
 ) -> AsyncIterator[StepOutcome]:
     """Train batches ``step .. num_steps - 1`` (``step`` from the latest checkpoint), one
-    outcome per update; see the module docstring."""
+    outcome per update; see the module docstring. With ``devices``, each update (from
+    ``train_step`` to the published weights) holds them (``Devices.update``)."""
     step = await asyncio.to_thread(resume, trainer, checkpoints)
     if step > 0:
         if publisher is not None:
@@ -115,10 +126,11 @@ async def train(
         await source.updated(trainer.version)
     for k in range(step, num_steps):
         batch = await source.batch(k)
-        metrics = await asyncio.to_thread(trainer.train_step, batch)
-        path = checkpoints.path(k + 1)
-        await asyncio.to_thread(trainer.save_checkpoint, path)
-        checkpoints.prune()
-        published = await publisher.publish(trainer) if publisher is not None else None
+        async with devices.update() if devices is not None else contextlib.nullcontext():
+            metrics = await asyncio.to_thread(trainer.train_step, batch)
+            path = checkpoints.path(k + 1)
+            await asyncio.to_thread(trainer.save_checkpoint, path)
+            checkpoints.prune()
+            published = await publisher.publish(trainer) if publisher is not None else None
         await source.updated(trainer.version)
         yield StepOutcome(metrics, path, published)

@@ -130,20 +130,27 @@ def test_a_step_past_its_deadline_is_a_timeout_and_nothing_after_it_runs() -> No
 
 
 def test_the_trainer_slot_holds_updates_while_offloaded() -> None:
-    slot = TrainerSlot(FakeTrainer())
+    status = TrainerSource(lambda: 0.0, train_time_s=1.0)
+    slot = TrainerSlot(FakeTrainer(), status)
     slot.offload()
     assert slot.offloaded
     ran = threading.Event()
 
+    async def update() -> None:
+        async with slot.update():
+            assert status().phase is TrainerPhase.TRAINING
+            ran.set()
+
     async def main() -> None:
-        task = asyncio.ensure_future(slot.update(ran.set))
+        task = asyncio.ensure_future(update())
         await asyncio.sleep(0.2)
-        assert not ran.is_set()
+        assert not ran.is_set() and status().needs_gpus  # the batch is ready, the slot lent
         await asyncio.to_thread(slot.onload)
         await asyncio.wait_for(task, 5)
 
     asyncio.run(main())
     assert ran.is_set() and (slot.offloads, slot.onloads) == (1, 1)
+    assert status().phase is TrainerPhase.WAITING and not status().needs_gpus
 
 
 def test_the_trainer_source_reports_training_and_waiting() -> None:
