@@ -376,6 +376,7 @@ class LocalControl:
     ) -> None:
         self.server, self.listener = server, listener
         self.min_deadline_s, self.deadline_factor = min_deadline_s, deadline_factor
+        self._joined = False
         self.results: list[PlanResult] = []
 
     def execute(self, plan: TransitionPlan) -> PlanOutcome:
@@ -390,8 +391,18 @@ class LocalControl:
         return plan_outcome(result)
 
     def events(self) -> list[AgentEvent]:
-        """None: this machine's agents never leave (a worker that dies fails its step)."""
-        return []
+        """Each node's agent joins once, at the first call, with the trainer's workers and
+        no engine: engines a journal of an earlier incarnation holds died with it (they
+        are lost, and the next plan starts engines again). After that, none: this
+        machine's agents never leave (a worker that dies fails its step)."""
+        if self._joined:
+            return []
+        self._joined = True
+        keep = self.server.trainer.worker_ids()
+        return [
+            AgentEvent("joined", self.server.agent_id(n), n, workers=keep)
+            for n in self.server.nodes
+        ]
 
     def agents(self) -> list[dict[str, Any]]:
         return [

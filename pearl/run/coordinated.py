@@ -127,7 +127,8 @@ async def coordinator_running(
     )
     status = TrainerSource(clock, profile.costs.train_step_s)
     slot = TrainerSlot(trainer, status)
-    server = LocalServer([TRAINER_NODE, ROLLOUT_NODE, LOCAL_NODE], engines, TrainerWorkers(slot))
+    trainers = TrainerWorkers(slot, (f"t-{TRAINER_NODE}",))  # base_job's trainer worker
+    server = LocalServer([TRAINER_NODE, ROLLOUT_NODE, LOCAL_NODE], engines, trainers)
     listener = RouterListener(PlanSteps(router), asyncio.get_running_loop(), timeout_s=30.0)
     control = LocalControl(server, listener, min_deadline_s=60.0)
     co = Coordinator.open(

@@ -90,7 +90,8 @@ def test_the_policy_lends_the_trainers_slot_and_takes_it_back(tmp_path: Path) ->
     slot = TrainerSlot(trainer)
     status = TrainerSource(clock, train_time_s=60.0)
     control = LocalControl(
-        LocalServer(["n0", "n1", "localhost"], engines, TrainerWorkers(slot)), min_deadline_s=1.0
+        LocalServer(["n0", "n1", "localhost"], engines, TrainerWorkers(slot, ("t-n0",))),
+        min_deadline_s=1.0,
     )
     co = Coordinator.open(
         config(run),

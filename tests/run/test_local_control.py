@@ -113,6 +113,19 @@ def test_steps_run_by_their_dependencies_and_a_failure_aborts_what_waits_on_it()
     c.close()
 
 
+def test_agents_join_once_keeping_the_trainers_workers_only() -> None:
+    slot = TrainerSlot(FakeTrainer())
+    c = LocalControl(LocalServer([NODE, "trainer"], FakeWorkers(), TrainerWorkers(slot, ("t0",))))
+    joined = c.events()
+    assert [(e.kind, e.node, e.workers) for e in joined] == [
+        ("joined", NODE, ("t0",)),
+        ("joined", "trainer", ("t0",)),
+    ]
+    assert c.events() == []
+    assert {a["node"] for a in c.agents()} == {NODE, "trainer"}
+    c.close()
+
+
 def test_a_step_past_its_deadline_is_a_timeout_and_nothing_after_it_runs() -> None:
     engines = FakeWorkers(slow_s={"e0": 1.5})
     c = control(engines)
