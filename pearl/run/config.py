@@ -137,6 +137,11 @@ class CoordinatorSection(Frozen):
     trainer_slots: PosInt = Field(1, description="The base trainer's devices (slots).")
     rollout_slots: PosInt = Field(2, description="The base rollout's devices (slots).")
     decision_interval_s: PosFloat = Field(1.0, description="Seconds between decisions.")
+    policy_name: Literal["pearl", "roll-fixed", "roll-partial", "static-pd-disaggregated"] = Field(
+        "pearl",
+        description="pearl, or a baseline of docs/baselines.md (pearl.sim.baselines) "
+        "over the same policy section; the adaptive rlboost-plus is the simulator's only.",
+    )
     policy: dict[str, Any] = Field(
         default_factory=lambda: dict(DEFAULT_POLICY),
         description="pearl.core.config.PolicyConfig, as a mapping (docs/architecture.md).",
@@ -148,7 +153,11 @@ class CoordinatorSection(Frozen):
         return self
 
     def policy_config(self) -> PolicyConfig:
-        return PolicyConfig.model_validate(self.policy)
+        """The policy decide() runs: ``policy``, as ``policy_name`` makes it (a baseline
+        fixes its rules: ``pearl.sim.baselines.make_policy``)."""
+        from pearl.sim.baselines import make_policy
+
+        return make_policy(self.policy_name, PolicyConfig.model_validate(self.policy), 1).config()
 
 
 class RunConfig(Frozen):

@@ -139,3 +139,13 @@ def test_the_policy_lends_the_trainers_slot_and_takes_it_back(tmp_path: Path) ->
     steps = [r["action"] for r in records if r["type"] == "plan_step"]
     assert steps.count("offload") == 2
     assert {"start", "drain", "sleep", "onload", "wake"} <= set(steps)
+
+
+def test_a_baseline_is_pearl_s_policy_with_its_rules_fixed() -> None:
+    from pearl.run.config import CoordinatorSection
+
+    pearl = CoordinatorSection().policy_config()
+    assert pearl.borrowing.rule == "predictive" and pearl.borrowing.min_gain_s == 0.5
+    fixed = CoordinatorSection(policy_name="roll-fixed").policy_config()
+    assert fixed.borrowing.rule == "never" and fixed.switching.rule == "never"
+    assert fixed.selection.modes == "colocated" and fixed.borrowing.min_gain_s == 0.5
