@@ -137,14 +137,24 @@ class CoordinatorSection(Frozen):
     trainer_slots: PosInt = Field(1, description="The base trainer's devices (slots).")
     rollout_slots: PosInt = Field(2, description="The base rollout's devices (slots).")
     decision_interval_s: PosFloat = Field(1.0, description="Seconds between decisions.")
+    elastic_slots: NonNegInt = Field(
+        0,
+        description="Elastic slots at most (LocalBackend, on the shipped availability "
+        "windows); 0: none. The policy's elastic rule decides whether to ask.",
+    )
+    elastic_time_scale: PosFloat = Field(
+        1000.0, description="Trace seconds per run second of the availability windows."
+    )
+    elastic_offset_s: float = Field(5.0, description="Run time of the windows' start.")
     policy_name: Literal["pearl", "roll-fixed", "roll-partial", "static-pd-disaggregated"] = Field(
         "pearl",
         description="pearl, or a baseline of docs/baselines.md (pearl.sim.baselines) "
         "over the same policy section; the adaptive rlboost-plus is the simulator's only.",
     )
     policy: dict[str, Any] = Field(
-        default_factory=lambda: dict(DEFAULT_POLICY),
-        description="pearl.core.config.PolicyConfig, as a mapping (docs/architecture.md).",
+        default_factory=dict,
+        description="pearl.core.config.PolicyConfig, as a mapping, over DEFAULT_POLICY "
+        "(docs/architecture.md).",
     )
 
     @model_validator(mode="after")
@@ -157,7 +167,16 @@ class CoordinatorSection(Frozen):
         fixes its rules: ``pearl.sim.baselines.make_policy``)."""
         from pearl.sim.baselines import make_policy
 
-        return make_policy(self.policy_name, PolicyConfig.model_validate(self.policy), 1).config()
+        merged = _merged(DEFAULT_POLICY, self.policy)
+        return make_policy(self.policy_name, PolicyConfig.model_validate(merged), 1).config()
+
+
+def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """``over`` on ``base``, mappings merged key by key."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
 
 
 class RunConfig(Frozen):

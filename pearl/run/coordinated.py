@@ -12,9 +12,10 @@ every ``coordinator.decision_interval_s``, with
 - ``LocalControl`` as its control plane: engines started, drained, put to sleep, woken,
   switched and stopped on the slots, the router's table following each step, the
   trainer offloaded and onloaded between updates (``TrainerSlot``),
-- no elastic allocations yet (an allocation backend that is never asked: the policy's
-  elastic rule is ``never`` by default; ``LocalBackend`` on a schedule from the shipped
-  availability data is the next step).
+- elastic slots (``coordinator.elastic_slots``, node ``localhost``): ``LocalBackend``'s
+  allocations on the shipped availability windows, compressed
+  (``pearl.run.elastic.ScheduledBackend``), asked for when the policy's elastic rule says
+  they pay (its default here is ``never``); without them, a backend never asked.
 
 Its journal (``RUN_DIR/journal.jsonl``) and run log (``RUN_DIR/events.jsonl``: GPU and
 worker phases, decisions, plan steps, borrow windows) sit beside the rollout's; the two
@@ -31,9 +32,11 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-from pearl.cluster.local_backend import LOCAL_NODE
+from pearl.cluster.backend import AllocationBackend
+from pearl.cluster.local_backend import LOCAL_NODE, LocalBackend
 from pearl.coordinator.config import BaseJob, BaseNode, CoordinatorConfig
 from pearl.coordinator.loop import Coordinator, workload_file
+from pearl.core.config import PolicyConfig
 from pearl.core.decision import ElasticRequest
 from pearl.core.observation import Event
 from pearl.io.documents import load_profile
@@ -52,6 +55,7 @@ from pearl.run.control import (
     engine_argv,
     slot_cores,
 )
+from pearl.run.elastic import ScheduledBackend, compressed_windows
 
 log = logging.getLogger(__name__)
 SLOT_TYPE = "cpu"
@@ -94,8 +98,17 @@ def coordinator_config(config: RunConfig, run_dir: Path) -> CoordinatorConfig:
             trainer=(BaseNode(name=TRAINER_NODE, gpu_type=SLOT_TYPE, num_gpus=c.trainer_slots),),
             rollout=(BaseNode(name=ROLLOUT_NODE, gpu_type=SLOT_TYPE, num_gpus=c.rollout_slots),),
         ),
-        policy=c.policy_config(),
+        policy=_one_allocation(c.policy_config(), c.elastic_slots),
     )
+
+
+def _one_allocation(policy: PolicyConfig, slots: int) -> PolicyConfig:
+    """With elastic slots, one allocation of them at a time: ``LocalBackend`` grants every
+    allocation on ``localhost``, GPU ids ``localhost/0..``, so two would share ids."""
+    if not slots:
+        return policy
+    e = policy.elastic.model_copy(update={"gpus_per_allocation": slots, "max_allocations": 1})
+    return policy.model_copy(update={"elastic": e})
 
 
 @contextlib.asynccontextmanager
@@ -115,6 +128,7 @@ async def coordinator_running(
     profile = load_profile(c.profile)
     slots = [f"{TRAINER_NODE}/{i}" for i in range(c.trainer_slots)]
     slots += [f"{ROLLOUT_NODE}/{i}" for i in range(c.rollout_slots)]
+    slots += [f"{LOCAL_NODE}/{i}" for i in range(c.elastic_slots)]  # LocalBackend's grants
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     extra = ("--max-num-seqs", str(e.max_num_seqs))
@@ -131,11 +145,16 @@ async def coordinator_running(
     server = LocalServer([TRAINER_NODE, ROLLOUT_NODE, LOCAL_NODE], engines, trainers)
     listener = RouterListener(PlanSteps(router), asyncio.get_running_loop(), timeout_s=30.0)
     control = LocalControl(server, listener, min_deadline_s=60.0)
+    backend: AllocationBackend = NoElastic()
+    if c.elastic_slots:
+        windows = compressed_windows(c.elastic_time_scale)
+        inner = LocalBackend(run_dir / "elastic", signal_delay_s=1)
+        backend = ScheduledBackend(inner, windows, offset_s=c.elastic_offset_s)
     co = Coordinator.open(
         cfg,
         profile,
         run_dir,
-        NoElastic(),
+        backend,
         clock,
         workload_file(run_dir / "workload.json"),
         control,
@@ -159,6 +178,7 @@ async def coordinator_running(
         stop.set()
         await asyncio.to_thread(thread.join)
         co.close("trained" if not failed else "failed")
+        await asyncio.to_thread(backend.close)
         await asyncio.to_thread(control.close, 15.0)
     if failed:
         raise RuntimeError(f"the coordinator's loop failed: {failed[0]}") from failed[0]
