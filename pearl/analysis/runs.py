@@ -4,7 +4,10 @@ The rule for a ``RUN_DIR`` argument (``docs/analysis.md``):
 
 - a file is one run log, whatever its name;
 - a directory holding ``events.jsonl`` (a coordinator run) or ``seed*.jsonl`` files (one
-  policy of ``pearl simulate``) contributes those files;
+  policy of ``pearl simulate``) contributes those files; a ``pearl run`` directory's
+  ``rollout.jsonl`` (the rollout manager's log) is read with its ``events.jsonl`` (the
+  coordinator's, when the run had one) as one run, the records of both merged by time
+  (they share the run's clock), or alone without one;
 - otherwise its immediate sub-directories are searched the same way (a ``pearl simulate
   --out`` directory holds one sub-directory per policy).
 
@@ -22,7 +25,8 @@ memory grows with the run's duration and control events, not with its trajectori
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import heapq
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +40,7 @@ from pearl.runlog.jsonl import ReadStats, read_records
 from pearl.runlog.schema import Record
 
 RUN_LOG_NAME = "events.jsonl"
+ROLLOUT_LOG_NAME = "rollout.jsonl"
 SEED_LOG_GLOB = "seed*.jsonl"
 
 
@@ -43,15 +48,24 @@ SEED_LOG_GLOB = "seed*.jsonl"
 class RunLog:
     path: Path
     name: str  # a short label: "POLICY/seedN" or the run directory's name
+    also: tuple[Path, ...] = ()  # the same run's other logs, read with it (merged by time)
 
 
 def _logs_in(directory: Path) -> list[Path]:
     found = [directory / RUN_LOG_NAME] if (directory / RUN_LOG_NAME).is_file() else []
+    if not found and (directory / ROLLOUT_LOG_NAME).is_file():
+        found = [directory / ROLLOUT_LOG_NAME]  # a pearl run without a coordinator
     return found + sorted(p for p in directory.glob(SEED_LOG_GLOB) if p.is_file())
 
 
+def _companions(path: Path) -> tuple[Path, ...]:
+    """A coordinator's run log's companion in a ``pearl run`` directory: the rollout's."""
+    rollout = path.parent / ROLLOUT_LOG_NAME
+    return (rollout,) if path.name == RUN_LOG_NAME and rollout.is_file() else ()
+
+
 def _label(path: Path) -> str:
-    if path.name == RUN_LOG_NAME:
+    if path.name in (RUN_LOG_NAME, ROLLOUT_LOG_NAME):
         return path.parent.name or "run"
     return f"{path.parent.name}/{path.stem}" if path.parent.name else path.stem
 
@@ -59,12 +73,13 @@ def _label(path: Path) -> str:
 def find_run_logs(paths: Sequence[Path]) -> list[RunLog]:
     """The run logs the arguments name, by the rule of the module docstring."""
     found: list[Path] = []
+    companions: dict[Path, tuple[Path, ...]] = {}
     for path in paths:
         if not path.exists():
             raise InputError(path, "", "no such file or directory")
         if path.is_file():
             found.append(path)
-            continue
+            continue  # a file named is read alone
         logs = _logs_in(path)
         if not logs:
             subdirs = sorted(p for p in path.iterdir() if p.is_dir())
@@ -74,6 +89,7 @@ def find_run_logs(paths: Sequence[Path]) -> list[RunLog]:
                 path, "", f"no run log ({RUN_LOG_NAME} or {SEED_LOG_GLOB}) here or one level down"
             )
         found += logs
+        companions.update({log: _companions(log) for log in logs})
     out: list[RunLog] = []
     names: set[str] = set()
     for p in dict.fromkeys(found):  # each file once, in order
@@ -81,7 +97,7 @@ def find_run_logs(paths: Sequence[Path]) -> list[RunLog]:
         while name in names:
             name, k = f"{_label(p)}#{k}", k + 1
         names.add(name)
-        out.append(RunLog(p, name))
+        out.append(RunLog(p, name, companions.get(p, ())))
     return out
 
 
@@ -157,6 +173,12 @@ class RunAnalysis:
         return out
 
 
+def _without_run_bounds(records: Iterator[Record]) -> Iterator[Record]:
+    """A companion log's records less its ``run_started``/``run_ended``: the run's are the
+    main log's (the coordinator's), one incarnation each, not two."""
+    return (r for r in records if r.type not in ("run_started", "run_ended"))
+
+
 def analyze_log(log: RunLog, max_return_delay_s: float | None = None) -> RunAnalysis:
     """One streaming pass over ``log``."""
     stats = ReadStats()
@@ -191,7 +213,10 @@ def analyze_log(log: RunLog, max_return_delay_s: float | None = None) -> RunAnal
             handlers.setdefault(kind, []).append(handler)
     info_add = run.info.see
     record: Record
-    for record in read_records(log.path, stats):
+    logs = [read_records(log.path, stats)]
+    logs += [_without_run_bounds(read_records(p, stats)) for p in log.also]
+    records = heapq.merge(*logs, key=lambda r: r.t) if log.also else logs[0]
+    for record in records:
         info_add(record.t)
         for handler in handlers.get(record.type, ()):
             handler(record)

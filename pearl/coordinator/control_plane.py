@@ -19,6 +19,7 @@ from pearl.io.atomic import write_text_atomic
 
 if TYPE_CHECKING:
     from pearl.control.coordinator_side import ControlServer
+    from pearl.control.execute import PlanResult
     from pearl.router.steps_client import RouterSteps
 
 
@@ -41,22 +42,9 @@ class MpiControl:
         return cls(ControlServer.open(run_dir), router)
 
     def execute(self, plan: TransitionPlan) -> PlanOutcome:
-        from pearl.control.coordinator_side import CommandStatus
         from pearl.control.execute import execute_plan
 
-        result = execute_plan(self.server, plan, listener=self.router)
-        steps = tuple(
-            StepOutcome(
-                r.step_id,
-                r.status is CommandStatus.OK,
-                r.error or "",
-                max(0.0, r.ended_s - r.elapsed_s),
-                r.ended_s,
-            )
-            for r in sorted(result.steps.values(), key=lambda r: r.ended_s)
-        )
-        failed = [f"step {s.step_id}: {s.error}" for s in steps if not s.ok]
-        return PlanOutcome(result.ok, result.carried_out(), steps, "; ".join(failed[:3]))
+        return plan_outcome(execute_plan(self.server, plan, listener=self.router))
 
     def events(self) -> list[AgentEvent]:
         """What happened to agents since the last call, with their node and workers."""
@@ -88,6 +76,25 @@ class MpiControl:
         self.server.close()
         if self.router is not None:
             self.router.close()
+
+
+def plan_outcome(result: PlanResult) -> PlanOutcome:
+    """A control plane's ``PlanResult`` as the core's ``PlanOutcome`` (``MpiControl``'s and
+    ``pearl.run.control.LocalControl``'s)."""
+    from pearl.control.coordinator_side import CommandStatus
+
+    steps = tuple(
+        StepOutcome(
+            r.step_id,
+            r.status is CommandStatus.OK,
+            r.error or "",
+            max(0.0, r.ended_s - r.elapsed_s),
+            r.ended_s,
+        )
+        for r in sorted(result.steps.values(), key=lambda r: r.ended_s)
+    )
+    failed = [f"step {s.step_id}: {s.error}" for s in steps if not s.ok]
+    return PlanOutcome(result.ok, result.carried_out(), steps, "; ".join(failed[:3]))
 
 
 def write_agents(path: Path, agents: list[dict[str, Any]]) -> None:

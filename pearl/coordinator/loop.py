@@ -5,8 +5,10 @@ Each tick (every ``decision_interval_s`` of the injected clock):
 1. observe: the allocation backend's events since the last tick, what happened to the
    node agents (``pearl.coordinator.reconcile``: workers lost with an agent; a grant held
    back until its agents have joined, released if they never do), the trainer's status
-   and the rollout workload (``WorkloadSource``: until the rollout manager exists, the
-   snapshot it will write to ``run_dir/workload.json``; none means an empty batch);
+   (``TrainerSource``: training or waiting, and whether it wants its GPUs back; a default
+   status where none is given) and the rollout workload (``WorkloadSource``: until the
+   rollout manager exists, the snapshot it will write to ``run_dir/workload.json``; none
+   means an empty batch);
 2. decide, and journal the resulting state *before* acting;
 3. carry the decision out through the core's ``Executor`` (``pearl.core.execution``, the
    order the simulator follows too: requests, the plan, then the releases), the
@@ -61,6 +63,7 @@ from pearl.core.workload import WorkloadSnapshot
 from pearl.io.documents import parse, read_document
 
 WorkloadSource = Callable[[], WorkloadSnapshot]
+TrainerSource = Callable[[], TrainerStatus]  # the trainer's phase (``pearl.run.control``)
 Clock = Callable[[], float]
 
 
@@ -123,11 +126,13 @@ class Coordinator:
         resumed: Resumed,
         control: ControlPlane | None = None,
         agents_path: Path | None = None,
+        trainer: TrainerSource = TrainerStatus,
     ) -> None:
         """From data only; ``Coordinator.open`` replays, opens and reattaches."""
         self.config, self.profile, self.backend = config, profile, backend
         self.clock, self.workload, self.control = clock, workload, control
         self.journal, self.log, self.agents_path = journal, log, agents_path
+        self.trainer = trainer
         self.state: ClusterState = resumed.state
         self.unfinished = list(resumed.unfinished)
         self.executor = Executor(self, resumed.ids)
@@ -149,6 +154,7 @@ class Coordinator:
         clock: Clock,
         workload: WorkloadSource,
         control: ControlPlane | None = None,
+        trainer: TrainerSource = TrainerStatus,
     ) -> Coordinator:
         """An incarnation of the run in ``run_dir``: the journal replayed, the journal and
         the run log opened, the allocations it holds watched again."""
@@ -170,7 +176,17 @@ class Coordinator:
             raise
         agents_path = run_dir / "agents.json"
         coordinator = cls(
-            config, profile, backend, clock, workload, journal, log, resumed, control, agents_path
+            config,
+            profile,
+            backend,
+            clock,
+            workload,
+            journal,
+            log,
+            resumed,
+            control,
+            agents_path,
+            trainer,
         )
         try:
             coordinator.reattach()
@@ -213,7 +229,7 @@ class Coordinator:
             # what agents said comes first: Slurm's end of a job the agent saw preempted
             # is then the preemption's end
             events=(*lost, *self._agent_events(now_s), *self._allocation_events(now_s)),
-            trainer=TrainerStatus(),
+            trainer=self.trainer(),
             workload=self.workload(),
         )
         self._write_agents()  # before a plan that may take a while, and after it

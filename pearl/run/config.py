@@ -14,6 +14,7 @@ from pydantic import Field, model_validator
 
 from pearl.agents.loop import Limits
 from pearl.agents.manager import RolloutConfig
+from pearl.core.config import PolicyConfig
 from pearl.core.state import Frozen, NonNegInt
 from pearl.envs import registry
 from pearl.io.documents import parse, read_document
@@ -119,6 +120,65 @@ class TrainerSection(Frozen):
     )
 
 
+DEFAULT_POLICY: dict[str, Any] = {  # pearl's policy at this run's time scale (seconds)
+    "elastic": {"rule": "never", "gpu_type": "cpu"},
+    "borrowing": {"min_gain_s": 0.5, "return_margin_s": 0.5, "max_return_delay_s": 5.0},
+    "switching": {"min_gain_s": 1.0, "min_dwell_s": 10.0},
+}
+
+
+class CoordinatorSection(Frozen):
+    enabled: bool = Field(
+        False,
+        description="The coordinator's decide() places the engines, lends the trainer's "
+        "slots between updates and reconfigures PD (false: the engines section, fixed).",
+    )
+    profile: str = Field("tiny-cpu", description="The runtime profile decide() predicts with.")
+    trainer_slots: PosInt = Field(1, description="The base trainer's devices (slots).")
+    rollout_slots: PosInt = Field(2, description="The base rollout's devices (slots).")
+    decision_interval_s: PosFloat = Field(1.0, description="Seconds between decisions.")
+    elastic_slots: NonNegInt = Field(
+        0,
+        description="Elastic slots at most (LocalBackend, on the shipped availability "
+        "windows); 0: none. The policy's elastic rule decides whether to ask.",
+    )
+    elastic_time_scale: PosFloat = Field(
+        1000.0, description="Trace seconds per run second of the availability windows."
+    )
+    elastic_offset_s: float = Field(5.0, description="Run time of the windows' start.")
+    policy_name: Literal["pearl", "roll-fixed", "roll-partial", "static-pd-disaggregated"] = Field(
+        "pearl",
+        description="pearl, or a baseline of docs/baselines.md (pearl.sim.baselines) "
+        "over the same policy section; the adaptive rlboost-plus is the simulator's only.",
+    )
+    policy: dict[str, Any] = Field(
+        default_factory=dict,
+        description="pearl.core.config.PolicyConfig, as a mapping, over DEFAULT_POLICY "
+        "(docs/architecture.md).",
+    )
+
+    @model_validator(mode="after")
+    def _policy(self) -> CoordinatorSection:
+        self.policy_config()  # a bad policy is the config's error
+        return self
+
+    def policy_config(self) -> PolicyConfig:
+        """The policy decide() runs: ``policy``, as ``policy_name`` makes it (a baseline
+        fixes its rules: ``pearl.sim.baselines.make_policy``)."""
+        from pearl.sim.baselines import make_policy
+
+        merged = _merged(DEFAULT_POLICY, self.policy)
+        return make_policy(self.policy_name, PolicyConfig.model_validate(merged), 1).config()
+
+
+def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """``over`` on ``base``, mappings merged key by key."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
 class RunConfig(Frozen):
     schema_version: Literal[1] = Field(1, description="Configuration schema version.")
     run_dir: str = Field("runs/pearl-run", description="Where the run's files go.")
@@ -130,6 +190,7 @@ class RunConfig(Frozen):
     rollout: RolloutSection = Field(default_factory=RolloutSection)
     engines: EnginesSection = Field(default_factory=EnginesSection)
     trainer: TrainerSection = Field(default_factory=TrainerSection)
+    coordinator: CoordinatorSection = Field(default_factory=CoordinatorSection)
 
 
 def load_run_config(path: str | Path | None) -> tuple[RunConfig, Path]:

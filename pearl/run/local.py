@@ -17,10 +17,11 @@ Restart: the same command on the same run directory resumes: the manager replays
 journal, the trainer loads its last checkpoint and asks for the batch after it (the
 spool holds a batch taken before the stop), and the run trains until ``trainer.steps``.
 
-Not here yet (the rest of the `pearl run` issue): the coordinator's ``decide()`` in the
-loop (lending the trainer's devices between updates, PD reconfiguration by plans, elastic
-devices from the local allocation backend); the trainer as a process of its own; vLLM and
-Megatron-core backends. The engines' PD configuration is the config's, fixed for the run.
+With ``coordinator.enabled`` (``pearl/run/coordinated.py``, docs/run.md), the engines are
+not the config's: the coordinator's ``decide()`` places them on this machine's slots, lends
+the trainer's slot between updates and asks for elastic slots, through the same executor
+as on Slurm (``pearl/run/control.py``). Not here yet: the trainer as a process of its own;
+vLLM and Megatron-core as backends of ``pearl run``.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ from pearl.engines.reference.tokenizer import load
 from pearl.envs import registry
 from pearl.router.router import Router
 from pearl.run.config import RunConfig
+from pearl.run.control import TrainerSlot
+from pearl.run.coordinated import coordinator_running, until_serving
 from pearl.run.progress import RunDisplay, StepReport
 from pearl.runlog.schema import RunEnded, TrainStep
 from pearl.trainer.checkpoint import CheckpointDir
@@ -153,6 +156,7 @@ async def run_local(config: RunConfig, base: Path, display: RunDisplay | None = 
     model = model_dir(config, base, run_dir)
     note: Callable[[str], None] = display.note if display else (lambda _: None)
     reports: list[StepReport] = []
+    latest: list[tuple[Path, int]] = []  # the weights published last: where, which version
     router = Router()
     manager = await RolloutManager.open(  # the journal first: a bad one stops the run here
         router,
@@ -162,12 +166,30 @@ async def run_local(config: RunConfig, base: Path, display: RunDisplay | None = 
         run_dir,
     )
     try:
-        note(f"starting {config.engines.count} engines on {model}")
-        async with engines_running(config, model, run_dir) as procs:
-            for i, (p, role) in enumerate(zip(procs, roles(config), strict=True)):
-                router.table.add(f"e{i}", p.url, role)
-                router.table.ready(f"e{i}")
+        async with contextlib.AsyncExitStack() as stack:
+            devices: TrainerSlot | None = None
             trainer = ReferenceTrainer(model, config.trainer.optimizer)
+            if config.coordinator.enabled:
+                note("the coordinator decides: waiting for its first engines")
+                devices = await stack.enter_async_context(
+                    coordinator_running(
+                        config,
+                        model,
+                        run_dir,
+                        router,
+                        trainer,
+                        lambda: latest[-1] if latest else None,
+                        manager.now_s,
+                    )
+                )
+                await until_serving(router)
+            else:
+                note(f"starting {config.engines.count} engines on {model}")
+                procs = await stack.enter_async_context(engines_running(config, model, run_dir))
+                for i, (p, role) in enumerate(zip(procs, roles(config), strict=True)):
+                    router.table.add(f"e{i}", p.url, role)
+                    router.table.ready(f"e{i}")
+            stack.push_async_callback(manager.close)  # before the engines stop
             publisher = WeightPublisher(
                 run_dir / "weights",
                 lambda: {i.worker_id: i.url for i in router.table if i.phase is not Phase.GONE},
@@ -175,6 +197,8 @@ async def run_local(config: RunConfig, base: Path, display: RunDisplay | None = 
             source = ManagerSource(manager)
             checkpoints = CheckpointDir(run_dir / "checkpoints")
             step = await resume_and_publish(trainer, source, checkpoints, publisher)
+            if step > 0:  # engines that start later load these
+                latest.append((run_dir / "weights" / f"v{trainer.version:06d}", trainer.version))
             check_books(manager, step, run_dir)
             manager.start()  # after the resume's weights are on the engines
             note("rollout running")
@@ -189,10 +213,12 @@ async def run_local(config: RunConfig, base: Path, display: RunDisplay | None = 
                 step,
                 reports,
                 display,
+                devices,
+                latest,
             )
             manager.log_record(RunEnded(t=manager.now_s(), reason="trained"))
     finally:
-        await manager.close()
+        await manager.close()  # (a second close does nothing)
         await router.aclose()
     return RunResult(reports, time.monotonic() - t0, run_dir, manager.generated_tokens)
 
@@ -208,13 +234,23 @@ async def _train(
     step: int,
     reports: list[StepReport],
     display: RunDisplay | None,
+    devices: TrainerSlot | None,
+    latest: list[tuple[Path, int]],
 ) -> None:
     note: Callable[[str], None] = display.note if display else (lambda _: None)
     last_s, last_tokens = time.monotonic(), manager.generated_tokens
     async for out in train(
-        trainer, source, checkpoints, config.trainer.steps, publisher, resumed=step
+        trainer,
+        source,
+        checkpoints,
+        config.trainer.steps,
+        publisher,
+        resumed=step,
+        devices=devices,
     ):
         reload_failures(router, out.published, note)
+        if out.published is not None:
+            latest.append((out.published.weights_dir, out.published.version))
         m = out.metrics
         sync_s = out.published.duration_s if out.published else 0.0
         now_s = time.monotonic()
@@ -237,7 +273,7 @@ async def _train(
                 step=m.step,
                 started_t=max(t - out.elapsed_s, 0.0),
                 policy_version=m.version,
-                waited_for_gpus_s=0.0,
+                waited_for_gpus_s=devices.last_wait_s if devices else 0.0,
                 reward_mean=m.reward_mean,
                 loss=m.loss,
                 tokens=m.tokens,

@@ -25,6 +25,7 @@ of a manager in another process (``SpoolSource``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -52,6 +53,14 @@ class BatchSource(Protocol):
 
 class Publisher(Protocol):
     async def publish(self, trainer: Trainer) -> PublishResult: ...
+
+
+class Devices(Protocol):
+    """The trainer's devices, where a coordinator lends them between updates
+    (``pearl.run.control.TrainerSlot``): ``update()`` holds them from the update to the
+    published weights, waiting first while they are lent."""
+
+    def update(self) -> contextlib.AbstractAsyncContextManager[None]: ...
 
 
 class ManagerSource:
@@ -111,10 +120,12 @@ async def train(
     publisher: Publisher | None = None,
     *,
     resumed: int | None = None,
+    devices: Devices | None = None,
 ) -> AsyncIterator[StepOutcome]:
     """Train batches ``step .. num_steps - 1`` (``step`` from the latest checkpoint), one
     outcome per update; see the module docstring. ``resumed``: the caller has already
-    resumed (``resume_and_publish``) at that step."""
+    resumed (``resume_and_publish``) at that step. With ``devices``, each update (from
+    ``train_step`` to the published weights) holds them (``Devices.update``)."""
     step = (
         resumed
         if resumed is not None
@@ -124,13 +135,14 @@ async def train(
         waited = time.perf_counter()
         batch = await source.batch(k)
         arrived = time.perf_counter()
-        metrics = await asyncio.to_thread(trainer.train_step, batch)
-        path = checkpoints.path(k + 1)
-        committing = time.perf_counter()
-        await asyncio.to_thread(trainer.save_checkpoint, path)
-        checkpoint_s = time.perf_counter() - committing
-        checkpoints.prune()
-        published = await publisher.publish(trainer) if publisher is not None else None
+        async with devices.update() if devices is not None else contextlib.nullcontext():
+            metrics = await asyncio.to_thread(trainer.train_step, batch)
+            path = checkpoints.path(k + 1)
+            committing = time.perf_counter()
+            await asyncio.to_thread(trainer.save_checkpoint, path)
+            checkpoint_s = time.perf_counter() - committing
+            checkpoints.prune()
+            published = await publisher.publish(trainer) if publisher is not None else None
         await source.updated(trainer.version)
         elapsed_s = time.perf_counter() - arrived
         yield StepOutcome(metrics, path, published, arrived - waited, checkpoint_s, elapsed_s)

@@ -168,3 +168,14 @@ def test_elastic_requests_respect_the_cap(profile: RuntimeProfile) -> None:
 def test_unknown_policy_is_rejected(profile: RuntimeProfile) -> None:
     with pytest.raises(UnknownName, match="policy: unknown name 'zzz'"):
         decide(build_state(Layout(1, 1, 0)), _obs(), PolicyConfig(policy="zzz"), profile, 1.0)
+
+
+def test_a_pool_without_engines_gets_them_under_the_margin_rule(profile: RuntimeProfile) -> None:
+    """A run's start: no engine serves, so the running configuration's completion is
+    infinite and no margin could be met; the change is mandatory (the default rule)."""
+    from pearl.core.base_job import BaseNode, base_job_state
+
+    state = base_job_state([BaseNode("n0", "h100", 1)], [BaseNode("n1", "h100", 2)])
+    d = decide(state, _obs(), PolicyConfig(), profile, 0.0)
+    assert d.switch.switch and d.switch.mandatory
+    assert d.plan.steps and {s.action.value for s in d.plan.steps} == {"start"}

@@ -218,3 +218,35 @@ def test_simulate_then_analyze(tmp_path: Path, capsys: pytest.CaptureFixture[str
         assert run["borrow"]["trainer_wait"]["max_s"] <= mine["max_trainer_wait_s"] + 1e-9
         assert run["borrow"]["trainer_wait"]["max_return_delay_s"] == 30.0  # from run_started
     assert max(sim["runs"]["rlboost-plus"][0]["gpu_hours"]["elastic"], 0) > 0
+
+
+def test_a_pearl_run_directory_is_one_run_of_both_logs(tmp_path: Path) -> None:
+    """``events.jsonl`` (the coordinator's) and ``rollout.jsonl`` (the rollout manager's) of
+    one ``pearl run`` directory: one run, the records merged by time, the run's bounds the
+    coordinator's; a named file is read alone; ``rollout.jsonl`` alone is a run too."""
+    from pearl.analysis.runs import analyze_log
+
+    run = tmp_path / "run"
+    run.mkdir()
+    start = {"v": 1, "type": "run_started", "run_id": "r", "policy": "pearl"}
+    (run / "events.jsonl").write_text(
+        json.dumps({**start, "t": 0.0, "source": "coordinator"})
+        + "\n"
+        + json.dumps({"v": 1, "t": 9.0, "type": "run_ended", "reason": "trained"})
+        + "\n"
+    )
+    (run / "rollout.jsonl").write_text(
+        json.dumps({**start, "t": 0.5, "source": "rollout"})
+        + "\n"
+        + json.dumps({"v": 1, "t": 8.0, "type": "run_ended", "reason": "trained"})
+        + "\n"
+    )
+    (log,) = find_run_logs([run])
+    assert log.path == run / "events.jsonl" and log.also == (run / "rollout.jsonl",)
+    info = analyze_log(log).summary()["run"]
+    assert info["source"] == "coordinator" and info["restarts"] == 0
+    (alone,) = find_run_logs([run / "events.jsonl"])
+    assert alone.also == ()
+    (run / "events.jsonl").unlink()
+    (rollout,) = find_run_logs([run])
+    assert rollout.path == run / "rollout.jsonl" and rollout.name == "run"

@@ -1,0 +1,193 @@
+"""``pearl run`` with the coordinator (``coordinator.enabled``): decide() runs the engines.
+
+The base job is ``coordinator.trainer_slots`` slots on node ``trainer`` (the trainer's) and
+``coordinator.rollout_slots`` on node ``rollout``, GPU type ``cpu``; the run starts with no
+engine. The coordinator's loop (``pearl.coordinator.loop.Coordinator``: observe ->
+decide() -> journal -> act) runs in a thread of its own beside the asyncio data plane,
+every ``coordinator.decision_interval_s``, with
+
+- the workload the rollout manager writes (``RUN_DIR/workload.json``),
+- the trainer's status (``pearl.run.control.TrainerSource``: waiting, needs its devices
+  once its next batch is complete, training),
+- ``LocalControl`` as its control plane: engines started, drained, put to sleep, woken,
+  switched and stopped on the slots, the router's table following each step, the
+  trainer offloaded and onloaded between updates (``TrainerSlot``),
+- elastic slots (``coordinator.elastic_slots``, node ``localhost``): ``LocalBackend``'s
+  allocations on the shipped availability windows, compressed
+  (``pearl.run.elastic.ScheduledBackend``), asked for when the policy's elastic rule says
+  they pay (its default here is ``never``); without them, a backend never asked.
+
+Its journal (``RUN_DIR/journal.jsonl``) and run log (``RUN_DIR/events.jsonl``: GPU and
+worker phases, decisions, plan steps, borrow windows) sit beside the rollout's; the two
+logs share one clock, the rollout manager's (seconds since the run first started).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+from pearl.cluster.backend import AllocationBackend
+from pearl.cluster.local_backend import LOCAL_NODE, LocalBackend
+from pearl.coordinator.config import BaseJob, BaseNode, CoordinatorConfig
+from pearl.coordinator.loop import Coordinator, workload_file
+from pearl.core.config import PolicyConfig
+from pearl.core.decision import ElasticRequest
+from pearl.core.observation import Event
+from pearl.io.documents import load_profile
+from pearl.router.plan_steps import PlanSteps
+from pearl.router.router import Router
+from pearl.run.config import RunConfig
+from pearl.run.control import (
+    LocalControl,
+    LocalEngines,
+    LocalServer,
+    RouterListener,
+    TrainerSlot,
+    TrainerSource,
+    TrainerWorkers,
+    Weights,
+    engine_argv,
+    slot_cores,
+)
+from pearl.run.elastic import ScheduledBackend, compressed_windows
+
+log = logging.getLogger(__name__)
+SLOT_TYPE = "cpu"
+TRAINER_NODE, ROLLOUT_NODE = "trainer", "rollout"
+
+
+class NoElastic:
+    """The allocation backend of a run without elastic devices: never asked for one."""
+
+    def submit(self, request: ElasticRequest, allocation_id: str) -> None:
+        raise RuntimeError("this run has no elastic devices (policy.elastic.rule: never)")
+
+    def poll(self, now_s: float) -> list[Event]:
+        return []
+
+    def reattach(self, request: ElasticRequest, allocation_id: str) -> bool:
+        return False
+
+    def release(self, allocation_id: str) -> None:
+        return None
+
+    def job_id(self, allocation_id: str) -> str:
+        raise KeyError(allocation_id)
+
+    def close(self) -> None:
+        return None
+
+
+def coordinator_config(config: RunConfig, run_dir: Path) -> CoordinatorConfig:
+    c = config.coordinator
+    return CoordinatorConfig(
+        schema_version=1,
+        run_id="pearl-run",
+        run_dir=str(run_dir),
+        profile=c.profile,
+        backend="local",
+        gpus_per_node={SLOT_TYPE: 1},
+        decision_interval_s=c.decision_interval_s,
+        base=BaseJob(
+            trainer=(BaseNode(name=TRAINER_NODE, gpu_type=SLOT_TYPE, num_gpus=c.trainer_slots),),
+            rollout=(BaseNode(name=ROLLOUT_NODE, gpu_type=SLOT_TYPE, num_gpus=c.rollout_slots),),
+        ),
+        policy=_one_allocation(c.policy_config(), c.elastic_slots),
+    )
+
+
+def _one_allocation(policy: PolicyConfig, slots: int) -> PolicyConfig:
+    """With elastic slots, one allocation of them at a time: ``LocalBackend`` grants every
+    allocation on ``localhost``, GPU ids ``localhost/0..``, so two would share ids."""
+    if not slots:
+        return policy
+    e = policy.elastic.model_copy(update={"gpus_per_allocation": slots, "max_allocations": 1})
+    return policy.model_copy(update={"elastic": e})
+
+
+@contextlib.asynccontextmanager
+async def coordinator_running(
+    config: RunConfig,
+    model: Path,
+    run_dir: Path,
+    router: Router,
+    trainer: Any,
+    weights: Weights,
+    clock: Callable[[], float],
+) -> AsyncIterator[TrainerSlot]:
+    """The coordinator deciding over this machine's slots (the module docstring); yields
+    the trainer's devices, for the trainer's loop (``pearl.trainer.loop.train``)."""
+    c, e = config.coordinator, config.engines
+    cfg = coordinator_config(config, run_dir)
+    profile = load_profile(c.profile)
+    slots = [f"{TRAINER_NODE}/{i}" for i in range(c.trainer_slots)]
+    slots += [f"{ROLLOUT_NODE}/{i}" for i in range(c.rollout_slots)]
+    slots += [f"{LOCAL_NODE}/{i}" for i in range(c.elastic_slots)]  # LocalBackend's grants
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    extra = ("--max-num-seqs", str(e.max_num_seqs))
+    engines = LocalEngines(
+        {"*": engine_argv(model, e.threads, extra)},
+        {s: i for i, s in enumerate(slots)},
+        log_dir=str(logs),
+        weights=weights,
+        cores=slot_cores(slots),
+    )
+    status = TrainerSource(clock, profile.costs.train_step_s)
+    slot = TrainerSlot(trainer, status)
+    trainers = TrainerWorkers(slot, (f"t-{TRAINER_NODE}",))  # base_job's trainer worker
+    server = LocalServer([TRAINER_NODE, ROLLOUT_NODE, LOCAL_NODE], engines, trainers)
+    listener = RouterListener(PlanSteps(router), asyncio.get_running_loop(), timeout_s=30.0)
+    control = LocalControl(server, listener, min_deadline_s=60.0)
+    backend: AllocationBackend = NoElastic()
+    if c.elastic_slots:
+        windows = compressed_windows(c.elastic_time_scale)
+        inner = LocalBackend(run_dir / "elastic", signal_delay_s=1)
+        backend = ScheduledBackend(inner, windows, offset_s=c.elastic_offset_s)
+    co = Coordinator.open(
+        cfg,
+        profile,
+        run_dir,
+        backend,
+        clock,
+        workload_file(run_dir / "workload.json"),
+        control,
+        status,
+    )
+    stop = threading.Event()
+    failed: list[BaseException] = []
+
+    def loop() -> None:
+        try:
+            co.run(stop=stop.is_set)
+        except BaseException as err:  # the run sees it: no silent end of decisions
+            log.exception("the coordinator's loop ended")
+            failed.append(err)
+
+    thread = threading.Thread(target=loop, name="pearl-coordinator", daemon=True)
+    thread.start()
+    try:
+        yield slot
+    finally:
+        stop.set()
+        await asyncio.to_thread(thread.join)
+        co.close("trained" if not failed else "failed")
+        await asyncio.to_thread(backend.close)
+        await asyncio.to_thread(control.close, 15.0)
+    if failed:
+        raise RuntimeError(f"the coordinator's loop failed: {failed[0]}") from failed[0]
+
+
+async def until_serving(router: Router, timeout_s: float = 300.0) -> None:
+    """Until the router has an instance that takes turns (the first plan's engines)."""
+    end = asyncio.get_running_loop().time() + timeout_s
+    while not any(i.accepting for i in router.table):
+        if asyncio.get_running_loop().time() > end:
+            raise RuntimeError(f"no engine serving after {timeout_s:.0f} s of decisions")
+        await asyncio.sleep(0.2)
