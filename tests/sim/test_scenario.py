@@ -131,7 +131,8 @@ def test_unknown_profile(tmp_path: Path) -> None:
     data = _base()
     data["profile"] = "qwen9"
     assert _error(tmp_path, data) == (
-        "profile: 'qwen9' is neither a file nor a shipped profile (qwen3-30b-a3b, qwen3-8b)"
+        "profile: 'qwen9' is neither a file nor a shipped profile "
+        "(qwen3-30b-a3b, qwen3-8b, tiny-cpu)"
     )
 
 
