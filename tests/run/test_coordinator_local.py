@@ -18,8 +18,6 @@ from test_local_control import FakeTrainer, FakeWorkers
 
 from pearl.coordinator.config import CoordinatorConfig
 from pearl.coordinator.loop import Coordinator, workload_file
-from pearl.core.decision import ElasticRequest
-from pearl.core.observation import Event
 from pearl.core.plan import Action
 from pearl.core.roles import Role
 from pearl.io.documents import load_profile
@@ -30,28 +28,7 @@ from pearl.run.control import (
     TrainerSource,
     TrainerWorkers,
 )
-
-
-class NoElastic:
-    """An allocation backend that is never asked for anything (elastic rule never)."""
-
-    def submit(self, request: ElasticRequest, allocation_id: str) -> None:
-        raise AssertionError("no elastic request expected")
-
-    def poll(self, now_s: float) -> list[Event]:
-        return []
-
-    def reattach(self, request: ElasticRequest, allocation_id: str) -> bool:
-        return False
-
-    def release(self, allocation_id: str) -> None:
-        return None
-
-    def job_id(self, allocation_id: str) -> str:
-        raise KeyError(allocation_id)
-
-    def close(self) -> None:
-        return None
+from pearl.run.coordinated import NoElastic
 
 
 def config(run: Path) -> CoordinatorConfig:
