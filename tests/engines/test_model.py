@@ -11,6 +11,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from hf_models import transformers_model  # noqa: E402
+
 from pearl.engines.reference.config import load_config  # noqa: E402
 from pearl.engines.reference.model import CausalLM, KVPool, SeqInput, WeightError  # noqa: E402
 from pearl.engines.reference.weights import read_weights  # noqa: E402
@@ -61,24 +63,7 @@ def test_prefill_chunks_and_batched_decode_match_transformers(tiny_model_dir: Pa
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_qwen2_and_llama_directories_match_transformers(arch: str, tmp_path: Path) -> None:
-    common = dict(
-        vocab_size=300,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-        eos_token_id=2,
-    )
-    if arch == "qwen2":
-        cfg = transformers.Qwen2Config(**common)
-        model = transformers.Qwen2ForCausalLM(cfg)
-    else:
-        cfg = transformers.LlamaConfig(**common)
-        model = transformers.LlamaForCausalLM(cfg)
-    model.save_pretrained(tmp_path)
+    transformers_model(arch).save_pretrained(tmp_path)
     ids = torch.randint(0, 300, (12,), generator=torch.Generator().manual_seed(2))
     ref = _reference_logits(tmp_path, ids)
     m = _ours(tmp_path)

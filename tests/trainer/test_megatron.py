@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 
 torch = pytest.importorskip("torch", reason="needs the engine extra: pip install 'pearl[engine]'")
 
+from hf_models import transformers_model  # noqa: E402
+
 from pearl.engines.reference.config import ModelConfig, load_config  # noqa: E402
 from pearl.engines.reference.tiny import init_model  # noqa: E402
 from pearl.engines.reference.weights import read_weights, write_weights  # noqa: E402
@@ -397,23 +399,11 @@ def test_cpu_logits_equal_transformers(
 
 def test_qkv_biases_reach_the_right_heads(megatron_cpu: object, tmp_path: Path) -> None:
     """A Qwen2 with random q/k/v biases, written by transformers, against its logits."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     from pearl.trainer.megatron import model
 
-    hf_cfg = transformers.Qwen2Config(
-        vocab_size=300,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-        initializer_range=0.3,
-        eos_token_id=2,
-    )
     torch.manual_seed(6)
-    ref = transformers.Qwen2ForCausalLM(hf_cfg).eval()
+    ref = transformers_model("qwen2", num_hidden_layers=1, initializer_range=0.3).eval()
     with torch.no_grad():
         for name, p in ref.named_parameters():
             if name.endswith("_proj.bias"):

@@ -12,6 +12,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from hf_models import transformers_model  # noqa: E402
+
 from pearl.engines.reference.model import WeightError, weight_shapes  # noqa: E402
 from pearl.engines.reference.weights import read_weights  # noqa: E402
 from pearl.trainer.model import PolicyModel  # noqa: E402
@@ -45,23 +47,8 @@ def test_right_padded_batch_matches_transformers(tiny_model_dir: Path) -> None:
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_qwen2_and_llama_match_transformers(arch: str, tmp_path: Path) -> None:
-    common = dict(
-        vocab_size=300,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-        eos_token_id=2,
-    )
     torch.manual_seed(0)
-    if arch == "qwen2":
-        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
-    else:
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
-    model.save_pretrained(tmp_path)
+    transformers_model(arch).save_pretrained(tmp_path)
     ids = torch.randint(0, 300, (12,), generator=torch.Generator().manual_seed(2))
     m = PolicyModel.from_dir(tmp_path)
     assert m.lm_head is not None and m.cfg.attention_bias is (arch == "qwen2")
