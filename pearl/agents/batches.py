@@ -136,9 +136,12 @@ class Spool:
         updates: list[int] = []
         for p in self.dir.iterdir():
             m = _REQUEST.match(p.name)
-            if m is not None:
-                number = int(m.group(2))
-                (wants.add(number) if m.group(1) == "want" else updates.append(number))
+            if m is None:
+                continue
+            if m.group(1) == "want":
+                wants.add(int(m.group(2)))
+            else:
+                updates.append(int(m.group(2)))
         return wants, sorted(updates)
 
 
