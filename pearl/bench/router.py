@@ -57,8 +57,7 @@ async def _overhead(urls: list[str], turns: int, max_tokens: int, vocab: int) ->
     prompts = random_prompts(turns, 32, vocab, seed=1)
     r = Router()
     for i, url in enumerate(urls):
-        r.table.add(f"e{i}", url, Role.COLOCATED)
-        r.table.ready(f"e{i}")
+        r.table.serve(f"e{i}", url, Role.COLOCATED)
     direct: list[float] = []
     routed: list[float] = []
     clients = [EngineClient(u) for u in urls]
@@ -98,8 +97,7 @@ async def _pd_change(
 ) -> dict[str, Any]:
     r = Router()
     for i, url in enumerate(urls):
-        r.table.add(f"e{i}", url, Role.COLOCATED)
-        r.table.ready(f"e{i}")
+        r.table.serve(f"e{i}", url, Role.COLOCATED)
     done_at: list[float] = []
     failed: list[str] = []
     stop = asyncio.Event()

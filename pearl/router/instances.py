@@ -143,6 +143,12 @@ class InstanceTable:
         inst = self._by_id[worker_id] = Instance(worker_id, url.rstrip("/"), role, engine=engine)
         return inst
 
+    def serve(self, worker_id: str, url: str, role: Role) -> Instance:
+        """An engine already healthy: added and ready at once (a fixed configuration)."""
+        inst = self.add(worker_id, url, role)
+        self.ready(worker_id)
+        return inst
+
     def ready(self, worker_id: str, role: Role | None = None) -> None:
         inst = self.get(worker_id)
         if role is not None:

@@ -187,8 +187,7 @@ async def run_local(config: RunConfig, base: Path, display: RunDisplay | None = 
                 note(f"starting {config.engines.count} engines on {model}")
                 procs = await stack.enter_async_context(engines_running(config, model, run_dir))
                 for i, (p, role) in enumerate(zip(procs, roles(config), strict=True)):
-                    router.table.add(f"e{i}", p.url, role)
-                    router.table.ready(f"e{i}")
+                    router.table.serve(f"e{i}", p.url, role)
             stack.push_async_callback(manager.close)  # before the engines stop
             publisher = WeightPublisher(
                 run_dir / "weights",

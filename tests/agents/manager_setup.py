@@ -41,8 +41,7 @@ async def open_manager(
     in ``roles``)."""
     router = Router()
     for i, url in enumerate(urls):
-        router.table.add(f"e{i}", url, roles[i] if roles else Role.COLOCATED)
-        router.table.ready(f"e{i}")
+        router.table.serve(f"e{i}", url, roles[i] if roles else Role.COLOCATED)
     return await RolloutManager.open(
         router, lambda: registry.make(ENV, "test.yaml"), load(model_dir), config, run_dir
     )

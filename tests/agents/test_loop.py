@@ -42,8 +42,7 @@ def _episodes(
     async def run() -> list[Trajectory]:
         r = Router()
         for e in engines:
-            r.table.add(e.name, e.url, Role.COLOCATED)
-            r.table.ready(e.name)
+            r.table.serve(e.name, e.url, Role.COLOCATED)
         try:
             return await asyncio.gather(
                 *(

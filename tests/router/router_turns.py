@@ -33,8 +33,7 @@ def router_over(engines: list[EngineProc], roles: list[Role]) -> Router:
     """A router whose table holds ``engines``, ready in ``roles``."""
     r = Router()
     for e, role in zip(engines, roles, strict=True):
-        r.table.add(e.name, e.url, role)
-        r.table.ready(e.name)
+        r.table.serve(e.name, e.url, role)
     return r
 
 
