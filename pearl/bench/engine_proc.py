@@ -21,6 +21,7 @@ from types import TracebackType
 import httpx
 
 from pearl.control.workers import free_port
+from pearl.engines.backend import reference_serve_argv
 
 START_TIMEOUT_S = 180.0
 
@@ -49,13 +50,15 @@ class EngineProcess:
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        argv = [sys.executable, "-m", "pearl.cli.main", "engine", "serve", "--model", str(model)]
-        argv += ["--port", str(self.port), "--engine-id", engine_id]
-        if kv_port is not None:
-            argv += ["--kv-port", str(kv_port)]
-        if threads is not None:
-            argv += ["--threads", str(threads)]
-        self.argv = [*argv, *extra]
+        self.argv = reference_serve_argv(
+            sys.executable,
+            model,
+            port=self.port,
+            engine_id=engine_id,
+            kv_port=kv_port,
+            threads=threads,
+            extra=extra,
+        )
         folder = Path(log_dir) if log_dir else Path(tempfile.gettempdir())
         self.log_path = folder / f"pearl-engine-{engine_id}-{self.port}.log"
         self.proc: subprocess.Popen[bytes] | None = None

@@ -22,6 +22,8 @@ channel) and ``{worker_id}`` (the engine id the KV connector announces).
 from __future__ import annotations
 
 import shlex
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
@@ -78,12 +80,39 @@ class EngineSection(Frozen):
         return self
 
 
+def reference_serve_argv(
+    python: str,
+    model: str | Path,
+    *,
+    port: int | str,
+    engine_id: str,
+    kv_port: int | str | None = None,
+    threads: int | None = None,
+    extra: Sequence[str] = (),
+) -> list[str]:
+    """``pearl engine serve``'s command line (the CPU reference engine), as every launcher
+    of it writes it: the agents' templates, the benchmarks' and tests' processes, ``pearl
+    run``'s slots. ``port`` and ``kv_port`` may be placeholders."""
+    argv = [python, "-m", "pearl.cli.main", "engine", "serve", "--model", str(model)]
+    argv += ["--port", str(port)]
+    if kv_port is not None:
+        argv += ["--kv-port", str(kv_port)]
+    argv += ["--engine-id", engine_id]
+    if threads is not None:
+        argv += ["--threads", str(threads)]
+    return [*argv, *extra]
+
+
 def engine_commands(section: EngineSection, python: str) -> dict[str, str]:
     """The agent's engine templates (role ``*``) for ``section``; ``python`` runs pearl."""
     if section.backend == "reference":
-        argv = [python, "-m", "pearl.cli.main", "engine", "serve", "--model", section.model]
-        argv += ["--port", _STAND_INS["port"], "--kv-port", _STAND_INS["kv_port"]]
-        argv += ["--engine-id", _STAND_INS["worker_id"]]
+        argv = reference_serve_argv(
+            python,
+            section.model,
+            port=_STAND_INS["port"],
+            kv_port=_STAND_INS["kv_port"],
+            engine_id=_STAND_INS["worker_id"],
+        )
         optional = [
             ("--max-model-len", section.max_model_len),
             ("--kv-cache-tokens", section.kv_cache_tokens),

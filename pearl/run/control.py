@@ -56,6 +56,7 @@ from pearl.core.execution import PlanOutcome
 from pearl.core.observation import TrainerPhase, TrainerStatus
 from pearl.core.plan import Action, PlanStep, TransitionPlan
 from pearl.core.roles import Role, TransitionError
+from pearl.engines.backend import reference_serve_argv
 from pearl.router.plan_steps import PlanSteps
 
 log = logging.getLogger(__name__)
@@ -76,11 +77,15 @@ def slot_cores(slots: Sequence[str], cpus: Sequence[int] | None = None) -> dict[
 
 def engine_argv(model: Path, threads: int | None = None, extra: Sequence[str] = ()) -> list[str]:
     """The reference engine's command, as a ``ProcessWorkers`` template."""
-    argv = [sys.executable, "-m", "pearl.cli.main", "engine", "serve", "--model", str(model)]
-    argv += ["--port", "{port}", "--kv-port", "{kv_port}", "--engine-id", "{worker_id}"]
-    if threads is not None:
-        argv += ["--threads", str(threads)]
-    return [*argv, *extra]
+    return reference_serve_argv(
+        sys.executable,
+        model,
+        port="{port}",
+        kv_port="{kv_port}",
+        engine_id="{worker_id}",
+        threads=threads,
+        extra=extra,
+    )
 
 
 @dataclass
