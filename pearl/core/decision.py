@@ -71,6 +71,16 @@ class Decision:
     selection: Selection  # the ranked candidates behind the target
     state: ClusterState  # the state after folding in the observation; last, it is long
 
+    @property
+    def predicted_s(self) -> float:
+        """The batch left, predicted to complete this long from the decision: under the
+        configuration running now, or under the target once its plan has run (the plan's
+        makespan, then the target's completion). What the simulator and a run score the
+        predictor on (``batch_completed.predicted_s``)."""
+        if self.plan.empty:
+            return self.current.completion_s
+        return self.selection.best.completion_s + self.plan.makespan_s
+
     def summary(self) -> str:
         """A few lines for people: what was decided and why."""
         lines = [f"t={self.time_s:.1f}s policy={self.policy} state v{self.state.version}"]

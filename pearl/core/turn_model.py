@@ -143,7 +143,7 @@ def solve_cycle(
     work_miss = g.pf_b_s * ctx + g.pf_c_s * seg.ctx_sq_tokens2
     work = hit_r * new_r * (g.pf_b_s + g.pf_c_s * g.pf_spread(attention)) + miss_r * work_miss
     per_batch = np.minimum(
-        np.maximum(g.pf_max_batched_tokens / (hit_r * new_r + miss_r * ctx), 1.0),
+        np.maximum(g.pf_max_batched_tokens / np.maximum(hit_r * new_r + miss_r * ctx, _TINY), 1.0),
         g.pf_spread(np.maximum(n / g.num_prefill_instances, 1.0)),
     )
     work_thr = np.maximum(work + g.pf_a_s / per_batch, _TINY)  # instance time per turn

@@ -536,11 +536,7 @@ class Simulation:
         self.decisions += 1
         self.state = decision.state
         self.log_state(now_s)
-        plan = decision.plan
-        predicted_s = decision.current.completion_s
-        if not plan.empty:
-            predicted_s = decision.selection.best.completion_s + plan.makespan_s
-        self._note_prediction(now_s, obs.workload.num_unfinished, predicted_s)
+        self._note_prediction(now_s, obs.workload.num_unfinished, decision.predicted_s)
         if self.sink is not None:
             self.log(decision_record(now_s, self.policy.name, decision))
             borrow = self.borrows.record(now_s, decision)
