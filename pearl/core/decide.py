@@ -136,10 +136,11 @@ def _pool_changed(
 ) -> bool:
     """The running configuration must change: engines outside the pool, a lend or a
     return to carry out, a usable grant that hosts no worker yet, or no engine at all on
-    a pool that has GPUs (a run's start: nothing serves, so the running configuration's
-    predicted completion is infinite and no margin could ever be met)."""
+    a pool that has GPUs, or only asleep ones (a run's start: nothing serves, so the
+    running configuration's predicted completion is infinite and no margin could ever be
+    met)."""
     in_pool = {g.gpu_id for g in pool}
-    if pool and not any(w.kind is WorkerKind.ENGINE and w.live for w in state.workers):
+    if pool and not any(w.kind is WorkerKind.ENGINE and w.active for w in state.workers):
         return True
     for w in state.workers:
         if w.kind is WorkerKind.ENGINE and w.active and not in_pool.issuperset(w.gpu_ids):

@@ -179,3 +179,17 @@ def test_a_pool_without_engines_gets_them_under_the_margin_rule(profile: Runtime
     d = decide(state, _obs(), PolicyConfig(), profile, 0.0)
     assert d.switch.switch and d.switch.mandatory
     assert d.plan.steps and {s.action.value for s in d.plan.steps} == {"start"}
+
+
+def test_a_pool_whose_only_engines_are_asleep_gets_engines(profile: RuntimeProfile) -> None:
+    """The base job with an asleep engine on the trainer's GPU (pearl run's and the
+    simulator's start): still nothing serves, so the change is mandatory."""
+    from pearl.core.base_job import BaseNode, base_job_state
+
+    state = base_job_state(
+        [BaseNode("n0", "h100", 1)], [BaseNode("n1", "h100", 2)], asleep_engines=True
+    )
+    d = decide(state, _obs(), PolicyConfig(), profile, 0.0)
+    assert d.switch.switch and d.switch.mandatory
+    started = [s for s in d.plan.steps if s.action.value == "start"]
+    assert started and all(s.node == "n1" for s in started)  # the rollout GPUs
