@@ -38,6 +38,12 @@ class BaseNode(Frozen):
 class BaseJob(Frozen):
     trainer: tuple[BaseNode, ...] = Field(min_length=1, description="Nodes that train.")
     rollout: tuple[BaseNode, ...] = Field((), description="Nodes that serve rollout.")
+    asleep_engines: bool = Field(
+        False,
+        description="Every trainer GPU hosts an asleep engine from the start (started and "
+        "put to sleep by whoever runs the base job), so that lending it wakes an engine "
+        "rather than cold-starting one.",
+    )
 
 
 class AgentSection(Frozen):
@@ -128,8 +134,10 @@ def _engine_model_resolved(config: CoordinatorConfig, folder: Path) -> Coordinat
 
 def initial_state(config: CoordinatorConfig) -> ClusterState:
     """The base job as the core sees it: one trainer per trainer node (its GPUs), the
-    rollout nodes' GPUs free for the first decision to place engines on."""
+    rollout nodes' GPUs free for the first decision to place engines on (with
+    ``base.asleep_engines``, an asleep engine on every trainer GPU too)."""
     return base_job.base_job_state(
         [base_job.BaseNode(n.name, n.gpu_type, n.num_gpus) for n in config.base.trainer],
         [base_job.BaseNode(n.name, n.gpu_type, n.num_gpus) for n in config.base.rollout],
+        asleep_engines=config.base.asleep_engines,
     )

@@ -138,6 +138,8 @@ class Coordinator:
         self.executor = Executor(self, resumed.ids)
         self._next_intent = resumed.next_intent  # plan and release intents: unique ids
         self.decisions = 0
+        # told of every decision, the observation and the profile it was made with
+        self.on_decision: Callable[[Decision, Observation, RuntimeProfile], None] | None = None
         self._journalled: ClusterState | None = None  # each incarnation writes its first
         self._lost: list[Event] = []
         self._plan_intent: str | None = None  # the intent of the plan running
@@ -233,10 +235,13 @@ class Coordinator:
             workload=self.workload(),
         )
         self._write_agents()  # before a plan that may take a while, and after it
-        d = decide(self.state, obs, self.config.policy, self.profile, now_s)
+        profile = self.profile  # once: another thread may replace it (pearl run's calibration)
+        d = decide(self.state, obs, self.config.policy, profile, now_s)
         self.decisions += 1
         self._record(d.state, now_s)
         self.log.decision(d, now_s)
+        if self.on_decision is not None:
+            self.on_decision(d, obs, profile)
         self.executor.carry_out(d, now_s)
         self._write_agents()
         if self.journal.size_bytes() > self.config.journal_max_bytes:
