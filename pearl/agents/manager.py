@@ -35,6 +35,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -138,6 +139,13 @@ class RolloutManager:
         self.generated_tokens = 0  # by this incarnation's model turns (wasted ones included)
         self._completed_logged = -1  # the last batch logged batch_completed
         self._batch_started_t = 0.0  # when the previous batch was taken
+        self._batch_predicted_s: float | None = None  # the batch being gathered, as first predicted
+        self._batch_completed_t: float | None = None  # its last batch_completed
+        self._batch_predicted_tag = 1.0
+        # told of each batch as it is taken: (predicted s or None, measured s, the
+        # prediction's tag), the measured time to its last batch_completed (one that lost a
+        # group completes again)
+        self.on_batch_completed: Callable[[float | None, float, float], None] | None = None
         # the books changed: admission may go on / a batch may be complete
         self._admit_wake = asyncio.Event()
         self._batch_wake = asyncio.Event()
@@ -178,7 +186,10 @@ class RolloutManager:
         return m
 
     def start(self) -> None:
-        """Admission, the snapshot writer and the spool's requests, as background tasks."""
+        """Admission, the snapshot writer and the spool's requests, as background tasks.
+        A first batch begins here (its time leaves out the engines' start before it)."""
+        if self.ledger.totals.batches == 0 and self._batch_predicted_s is None:
+            self._batch_started_t = self.now_s()
         for work in (self._admit_forever(), self._snapshot_forever(), self._spool_forever()):
             task = asyncio.create_task(work)
             task.add_done_callback(_report_death)
@@ -338,9 +349,13 @@ class RolloutManager:
             self._completed_logged = batch_id
             self.log_record(
                 BatchCompleted.model_construct(
-                    t=now, batch_id=batch_id, started_t=self._batch_started_t, predicted_s=None
+                    t=now,
+                    batch_id=batch_id,
+                    started_t=self._batch_started_t,
+                    predicted_s=self._batch_predicted_s,
                 )
             )
+            self._batch_completed_t = now
 
     def _finished_books(self, traj: Trajectory) -> None:
         self.finished[traj.traj_id] = traj
@@ -396,10 +411,30 @@ class RolloutManager:
         self.spool.write(batch)
         self._write("batch", batch_id=taken.batch_id, traj_ids=list(taken.traj_ids))
         self.log_record(batch_consumed_record(now, taken))
-        self._batch_started_t = now
+        done_t = self._batch_completed_t
+        if self.on_batch_completed is not None and done_t is not None:
+            measured_s = done_t - self._batch_started_t
+            self.on_batch_completed(self._batch_predicted_s, measured_s, self._batch_predicted_tag)
+        self._batch_started_t, self._batch_predicted_s, self._batch_completed_t = now, None, None
+        self._write_snapshot()  # the next decision sees the batch just begun, not the last
         self._batch_completed(now)  # more complete groups may be waiting already
         self._poke()
         return batch
+
+    def note_prediction(self, decided_s: float, predicted_s: float, tag: float = 1.0) -> None:
+        """A decision at run time ``decided_s`` predicted the batch being gathered complete
+        ``predicted_s`` later (``pearl.core.decision.Decision.predicted_s``): the first such
+        prediction of a batch is its ``batch_completed.predicted_s``, the batch's duration
+        as predicted, which ``pearl analyze`` scores against the actual one. A decision made
+        before the batch began (on the snapshot of the one before) predicts nothing of it.
+        ``tag`` (what the prediction was made with: pearl run's calibration factor) comes
+        back with the batch to ``on_batch_completed``."""
+        if decided_s < self._batch_started_t:  # on a snapshot from before the batch began
+            return
+        first = self._batch_predicted_s is None and not self.ledger.batch_ready()
+        if first and math.isfinite(predicted_s):
+            self._batch_predicted_s = decided_s + predicted_s - self._batch_started_t
+            self._batch_predicted_tag = tag
 
     async def updated(self, version: int) -> PastBoundOutcome:
         """The trainer's update made ``version``, now on the engines: the past-bound rule."""

@@ -38,7 +38,7 @@ class ModelSection(Frozen):
 class RolloutSection(Frozen):
     group_size: PosInt = Field(4, description="Samples per task (a GRPO group).")
     batch_trajectories: PosInt = Field(
-        64, description="Trajectories per update (whole groups: a multiple of group_size)."
+        256, description="Trajectories per update (whole groups: a multiple of group_size)."
     )
     max_staleness_versions: NonNegInt = Field(
         1, description="A trajectory is trained at most this many versions after admission."
@@ -114,7 +114,7 @@ class TrainerSection(Frozen):
     backend: Literal["reference"] = Field(
         "reference", description="The torch CPU trainer (megatron: on GPUs)."
     )
-    steps: PosInt = Field(60, description="Updates the run trains.")
+    steps: PosInt = Field(30, description="Updates the run trains.")
     optimizer: TrainerConfig = Field(
         default_factory=TrainerConfig, description="The loss and the optimiser."
     )
@@ -122,14 +122,14 @@ class TrainerSection(Frozen):
 
 DEFAULT_POLICY: dict[str, Any] = {  # pearl's policy at this run's time scale (seconds)
     "elastic": {"rule": "never", "gpu_type": "cpu"},
-    "borrowing": {"min_gain_s": 0.5, "return_margin_s": 0.5, "max_return_delay_s": 5.0},
-    "switching": {"min_gain_s": 1.0, "min_dwell_s": 10.0},
+    "borrowing": {"min_gain_s": 0.2, "return_margin_s": 0.2, "max_return_delay_s": 5.0},
+    "switching": {"min_gain_s": 0.4, "min_dwell_s": 10.0},
 }
 
 
 class CoordinatorSection(Frozen):
     enabled: bool = Field(
-        False,
+        True,
         description="The coordinator's decide() places the engines, lends the trainer's "
         "slots between updates and reconfigures PD (false: the engines section, fixed).",
     )
@@ -137,6 +137,12 @@ class CoordinatorSection(Frozen):
     trainer_slots: PosInt = Field(1, description="The base trainer's devices (slots).")
     rollout_slots: PosInt = Field(2, description="The base rollout's devices (slots).")
     decision_interval_s: PosFloat = Field(1.0, description="Seconds between decisions.")
+    asleep_engines: bool = Field(
+        True,
+        description="An engine started on every trainer slot and put to sleep before the "
+        "first decision (as vLLM's sleep mode lets one share a trainer's GPU): lending the "
+        "slot wakes it instead of cold-starting one.",
+    )
     elastic_slots: NonNegInt = Field(
         0,
         description="Elastic slots at most (LocalBackend, on the shipped availability "
@@ -184,7 +190,7 @@ class RunConfig(Frozen):
     run_dir: str = Field("runs/pearl-run", description="Where the run's files go.")
     model: ModelSection = Field(default_factory=ModelSection)
     env: dict[str, Any] = Field(
-        default_factory=lambda: {"name": "single_digit", "operators": "+", "max_turns": 1},
+        default_factory=lambda: {"name": "single_digit", "operators": "+", "max_turns": 3},
         description="The environment and its reward (docs/envs.md: `name` and its knobs).",
     )
     rollout: RolloutSection = Field(default_factory=RolloutSection)

@@ -31,11 +31,13 @@ Every node is this machine: one local agent per node the run knows (the base job
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import logging
 import os
 import shutil
+import statistics
 import sys
 import threading
 import time
@@ -219,20 +221,32 @@ class TrainerWorkers:
 
 class TrainerSource:
     """The trainer's status for the coordinator (beside the ``WorkloadSource``): training
-    (``step_ends_at_s`` from the profile's train time) or waiting for its next batch, and
-    ``needs_gpus`` once that batch is complete. The trainer's loop tells it (thread-safe);
-    the coordinator calls it."""
+    (``step_ends_at_s``: the update's start plus the mean of the last ``window`` updates'
+    measured times, the profile's train time before the first) or waiting for its next
+    batch, and ``needs_gpus`` once that batch is complete. The trainer's loop tells it
+    (thread-safe); the coordinator calls it."""
 
-    def __init__(self, clock: Callable[[], float], train_time_s: float) -> None:
+    def __init__(self, clock: Callable[[], float], train_time_s: float, window: int = 4) -> None:
         self.clock, self.train_time_s = clock, train_time_s
         self._lock = threading.Lock()
         self._status = TrainerStatus(phase=TrainerPhase.WAITING)
+        self._started_s: float | None = None
+        self._measured_s: collections.deque[float] = collections.deque(maxlen=window)
 
     def training(self) -> None:
-        ends = self.clock() + self.train_time_s
+        now = self.clock()
+        with self._lock:
+            self._started_s = now
+            expected_s = statistics.fmean(self._measured_s) if self._measured_s else None
+        ends = now + (self.train_time_s if expected_s is None else expected_s)
         self._set(TrainerStatus(phase=TrainerPhase.TRAINING, step_ends_at_s=ends))
 
     def waiting(self, batch_ready: bool = False) -> None:
+        now = self.clock()
+        with self._lock:
+            if self._started_s is not None:  # an update ended: its time, measured
+                self._measured_s.append(now - self._started_s)
+                self._started_s = None
         self._set(TrainerStatus(phase=TrainerPhase.WAITING, needs_gpus=batch_ready))
 
     def _set(self, status: TrainerStatus) -> None:
@@ -397,13 +411,14 @@ class LocalControl:
 
     def events(self) -> list[AgentEvent]:
         """Each node's agent joins once, at the first call, with the trainer's workers and
-        no engine: engines a journal of an earlier incarnation holds died with it (they
+        the engines this incarnation started before it (the asleep ones on the trainer's
+        slots): other engines a journal of an earlier incarnation holds died with it (they
         are lost, and the next plan starts engines again). After that, none: this
         machine's agents never leave (a worker that dies fails its step)."""
         if self._joined:
             return []
         self._joined = True
-        keep = self.server.trainer.worker_ids()
+        keep = (*self.server.trainer.worker_ids(), *self.server.engines.worker_ids())
         return [
             AgentEvent("joined", self.server.agent_id(n), n, workers=keep)
             for n in self.server.nodes

@@ -2,7 +2,10 @@
 
 The base job is ``coordinator.trainer_slots`` slots on node ``trainer`` (the trainer's) and
 ``coordinator.rollout_slots`` on node ``rollout``, GPU type ``cpu``; the run starts with no
-engine. The coordinator's loop (``pearl.coordinator.loop.Coordinator``: observe ->
+engine but, with ``coordinator.asleep_engines``, an asleep one on each trainer slot
+(started and put to sleep before the first decision, named as ``pearl.core.base_job``
+names them; a resumed run starts none: the journal's died with its incarnation). The
+coordinator's loop (``pearl.coordinator.loop.Coordinator``: observe ->
 decide() -> journal -> act) runs in a thread of its own beside the asyncio data plane,
 every ``coordinator.decision_interval_s``, with
 
@@ -32,13 +35,19 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+from pearl.agents.manager import RolloutManager
 from pearl.cluster.backend import AllocationBackend
 from pearl.cluster.local_backend import LOCAL_NODE, LocalBackend
+from pearl.control.messages import Command
 from pearl.coordinator.config import BaseJob, BaseNode, CoordinatorConfig
 from pearl.coordinator.loop import Coordinator, workload_file
+from pearl.core.calibration import BatchCalibration, scaled_engines
 from pearl.core.config import PolicyConfig
-from pearl.core.decision import ElasticRequest
-from pearl.core.observation import Event
+from pearl.core.decision import Decision, ElasticRequest
+from pearl.core.observation import Event, Observation
+from pearl.core.plan import Action
+from pearl.core.profile import RuntimeProfile
+from pearl.core.roles import Role
 from pearl.io.documents import load_profile
 from pearl.router.plan_steps import PlanSteps
 from pearl.router.router import Router
@@ -97,6 +106,7 @@ def coordinator_config(config: RunConfig, run_dir: Path) -> CoordinatorConfig:
         base=BaseJob(
             trainer=(BaseNode(name=TRAINER_NODE, gpu_type=SLOT_TYPE, num_gpus=c.trainer_slots),),
             rollout=(BaseNode(name=ROLLOUT_NODE, gpu_type=SLOT_TYPE, num_gpus=c.rollout_slots),),
+            asleep_engines=c.asleep_engines,
         ),
         policy=_one_allocation(c.policy_config(), c.elastic_slots),
     )
@@ -119,10 +129,14 @@ async def coordinator_running(
     router: Router,
     trainer: Any,
     weights: Weights,
-    clock: Callable[[], float],
+    manager: RolloutManager,
 ) -> AsyncIterator[TrainerSlot]:
     """The coordinator deciding over this machine's slots (the module docstring); yields
-    the trainer's devices, for the trainer's loop (``pearl.trainer.loop.train``)."""
+    the trainer's devices, for the trainer's loop (``pearl.trainer.loop.train``). The
+    run's clock is the manager's; the manager hears each decision's prediction of the
+    batch being gathered (``note_prediction``), and each completed batch calibrates the
+    profile the decisions predict with (``pearl.core.calibration``)."""
+    clock = manager.now_s
     c, e = config.coordinator, config.engines
     cfg = coordinator_config(config, run_dir)
     profile = load_profile(c.profile)
@@ -139,6 +153,80 @@ async def coordinator_running(
         weights=weights,
         cores=slot_cores(slots),
     )
+    fresh = not (run_dir / "journal.jsonl").exists()
+    try:
+        if c.asleep_engines and fresh:
+            await asyncio.to_thread(start_asleep, engines, slots[: c.trainer_slots])
+        co, control, backend, slot = _opened(
+            config, cfg, profile, run_dir, router, engines, trainer, clock
+        )
+    except BaseException:  # no engine outlives a failed start
+        await asyncio.to_thread(engines.stop_all, 15.0)
+        raise
+    aio = asyncio.get_running_loop()
+
+    calibration = BatchCalibration()
+    factors = {id(profile): (profile, 1.0)}  # each profile predicted with, and its factor
+
+    def predicted(d: Decision, obs: Observation, used: RuntimeProfile) -> None:
+        # on the coordinator's thread; the simulator's rule: no work left, no prediction
+        if obs.workload.num_unfinished:
+            factor = factors[id(used)][1]
+            aio.call_soon_threadsafe(manager.note_prediction, d.time_s, d.predicted_s, factor)
+
+    co.on_decision = predicted
+
+    def calibrate(predicted_s: float | None, measured_s: float, factor_then: float) -> None:
+        if predicted_s is not None:  # the coordinator's next decisions predict with it
+            factor = calibration.observe(predicted_s, measured_s, factor_then)
+            scaled = scaled_engines(profile, factor)
+            factors[id(scaled)] = (scaled, factor)
+            co.profile = scaled
+            log.info(
+                "batch %.2f s, predicted %.2f s: engine costs x %.2f",
+                measured_s,
+                predicted_s,
+                factor,
+            )
+
+    manager.on_batch_completed = calibrate
+    stop = threading.Event()
+    failed: list[BaseException] = []
+
+    def loop() -> None:
+        try:
+            co.run(stop=stop.is_set)
+        except BaseException as err:  # the run sees it: no silent end of decisions
+            log.exception("the coordinator's loop ended")
+            failed.append(err)
+
+    thread = threading.Thread(target=loop, name="pearl-coordinator", daemon=True)
+    thread.start()
+    try:
+        yield slot
+    finally:
+        stop.set()
+        await asyncio.to_thread(thread.join)
+        co.close("trained" if not failed else "failed")
+        await asyncio.to_thread(backend.close)
+        await asyncio.to_thread(control.close, 15.0)
+        manager.on_batch_completed = None
+    if failed:
+        raise RuntimeError(f"the coordinator's loop failed: {failed[0]}") from failed[0]
+
+
+def _opened(
+    config: RunConfig,
+    cfg: CoordinatorConfig,
+    profile: RuntimeProfile,
+    run_dir: Path,
+    router: Router,
+    engines: LocalEngines,
+    trainer: Any,
+    clock: Callable[[], float],
+) -> tuple[Coordinator, LocalControl, AllocationBackend, TrainerSlot]:
+    """The coordinator opened over this machine's control plane and elastic backend."""
+    c = config.coordinator
     status = TrainerSource(clock, profile.costs.train_step_s)
     slot = TrainerSlot(trainer, status)
     trainers = TrainerWorkers(slot, (f"t-{TRAINER_NODE}",))  # base_job's trainer worker
@@ -160,28 +248,26 @@ async def coordinator_running(
         control,
         status,
     )
-    stop = threading.Event()
-    failed: list[BaseException] = []
+    return co, control, backend, slot
 
-    def loop() -> None:
-        try:
-            co.run(stop=stop.is_set)
-        except BaseException as err:  # the run sees it: no silent end of decisions
-            log.exception("the coordinator's loop ended")
-            failed.append(err)
 
-    thread = threading.Thread(target=loop, name="pearl-coordinator", daemon=True)
-    thread.start()
-    try:
-        yield slot
-    finally:
-        stop.set()
-        await asyncio.to_thread(thread.join)
-        co.close("trained" if not failed else "failed")
-        await asyncio.to_thread(backend.close)
-        await asyncio.to_thread(control.close, 15.0)
-    if failed:
-        raise RuntimeError(f"the coordinator's loop failed: {failed[0]}") from failed[0]
+def start_asleep(engines: LocalEngines, slots: list[str], timeout_s: float = 300.0) -> None:
+    """An engine on each trainer slot, started and put to sleep, named as the base job's
+    state names them (``pearl.core.base_job``: ``e-NODE-INDEX``)."""
+    for step_id, slot in enumerate(slots):
+        node, index = slot.split("/")
+        wid = f"e-{node}-{index}"
+        for action, role in ((Action.START, Role.COLOCATED), (Action.SLEEP, Role.IDLE)):
+            cmd = Command(
+                cmd_id=f"asleep-{step_id}-{action.value}",
+                step_id=step_id,
+                action=action,
+                worker_id=wid,
+                gpu_ids=(slot,),
+                role=role,
+                deadline_s=timeout_s,
+            )
+            engines.execute(cmd)
 
 
 async def until_serving(router: Router, timeout_s: float = 300.0) -> None:

@@ -36,6 +36,7 @@ from pathlib import Path
 
 from pearl.agents.manager import RolloutManager
 from pearl.bench.engine_proc import EngineProcess
+from pearl.cluster.local_backend import LOCAL_NODE
 from pearl.control.workers import free_port
 from pearl.core.roles import Phase, Role
 from pearl.engines.reference.tiny import init_model
@@ -87,6 +88,12 @@ def pd_label(router: Router) -> str:
     if counts[Role.PREFILL] or decode:
         return f"{counts[Role.PREFILL]}P:{decode}D"
     return f"colocated x{counts[Role.COLOCATED]}"
+
+
+def serving_on(router: Router, node: str) -> int:
+    """Engines serving on ``node``'s slots (the coordinator names its engines
+    ``e-NODE-INDEX``; ``localhost``'s are elastic)."""
+    return sum(i.accepting and i.worker_id.startswith(f"e-{node}-") for i in router.table)
 
 
 @contextlib.asynccontextmanager
@@ -179,7 +186,7 @@ async def run_local(config: RunConfig, base: Path, display: RunDisplay | None = 
                         router,
                         trainer,
                         lambda: latest[-1] if latest else None,
-                        manager.now_s,
+                        manager,
                     )
                 )
                 await until_serving(router)
@@ -238,6 +245,7 @@ async def _train(
 ) -> None:
     note: Callable[[str], None] = display.note if display else (lambda _: None)
     last_s, last_tokens = time.monotonic(), manager.generated_tokens
+    last_offloads = devices.offloads if devices else 0
     async for out in train(
         trainer,
         source,
@@ -263,8 +271,11 @@ async def _train(
             train_s=m.time_s,
             sync_s=sync_s,
             pd=pd_label(router),
+            lent=(devices.offloads - last_offloads) if devices else 0,
+            elastic=serving_on(router, LOCAL_NODE),
         )
         last_s, last_tokens = now_s, manager.generated_tokens
+        last_offloads = devices.offloads if devices else 0
         t = manager.now_s()
         manager.log_record(
             TrainStep.model_construct(

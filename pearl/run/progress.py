@@ -2,9 +2,10 @@
 
 A line: the step, the policy version it made, the batch's mean reward, the loss, the
 rollout's output tokens per second since the previous update, how long the trainer waited
-for its batch, the update's and the weight sync's times, the PD configuration serving, and
-the devices lent and elastic. On a terminal the bar stays at the bottom; elsewhere (CI, a
-pipe) the lines print plainly and the bar does not.
+for its batch, the update's and the weight sync's times, the PD configuration serving, the
+times the trainer's slot was lent since the previous update and the elastic engines
+serving. On a terminal the bar stays at the bottom; elsewhere (CI, a pipe) the lines print
+plainly and the bar does not.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ class StepReport:
     train_s: float
     sync_s: float
     pd: str  # the PD configuration serving, e.g. "colocated x2" or "1P:1D"
-    lent: int = 0
-    elastic: int = 0
+    lent: int = 0  # times the trainer's devices were lent since the previous update
+    elastic: int = 0  # engines serving on elastic slots at the update's end
 
 
 COLUMNS = (

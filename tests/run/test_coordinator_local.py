@@ -122,7 +122,7 @@ def test_a_baseline_is_pearl_s_policy_with_its_rules_fixed() -> None:
     from pearl.run.config import CoordinatorSection
 
     pearl = CoordinatorSection().policy_config()
-    assert pearl.borrowing.rule == "predictive" and pearl.borrowing.min_gain_s == 0.5
+    assert pearl.borrowing.rule == "predictive" and pearl.borrowing.min_gain_s == 0.2
     fixed = CoordinatorSection(policy_name="roll-fixed").policy_config()
     assert fixed.borrowing.rule == "never" and fixed.switching.rule == "never"
-    assert fixed.selection.modes == "colocated" and fixed.borrowing.min_gain_s == 0.5
+    assert fixed.selection.modes == "colocated" and fixed.borrowing.min_gain_s == 0.2

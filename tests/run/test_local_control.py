@@ -68,7 +68,7 @@ class FakeWorkers:
         return None
 
     def worker_ids(self) -> tuple[str, ...]:
-        return ()
+        return tuple(w for a, w in self.done if a == "start")
 
     def engine_url(self, worker_id: str) -> str | None:
         return f"http://{worker_id}"
@@ -126,6 +126,19 @@ def test_agents_join_once_keeping_the_trainers_workers_only() -> None:
     c.close()
 
 
+def test_agents_join_with_the_engines_started_before_the_first_decision() -> None:
+    """The asleep engines pearl run starts on the trainer's slots before the coordinator
+    opens are this incarnation's: the agents join with them (others would be lost)."""
+    engines = FakeWorkers()
+    engines.execute(
+        Command(cmd_id="a", step_id=0, action=Action.START, worker_id="e-trainer-0", deadline_s=1.0)
+    )
+    slot = TrainerSlot(FakeTrainer())
+    c = LocalControl(LocalServer(["trainer"], engines, TrainerWorkers(slot, ("t-trainer",))))
+    assert [e.workers for e in c.events()] == [("t-trainer", "e-trainer-0")]
+    c.close()
+
+
 def test_a_step_past_its_deadline_is_a_timeout_and_nothing_after_it_runs() -> None:
     engines = FakeWorkers(slow_s={"e0": 1.5})
     c = control(engines)
@@ -174,6 +187,19 @@ def test_the_trainer_source_reports_training_and_waiting() -> None:
     assert src().phase is TrainerPhase.TRAINING and src().step_ends_at_s == 107.0
     src.waiting(batch_ready=True)
     assert src().phase is TrainerPhase.WAITING and src().needs_gpus
+
+
+def test_the_trainer_source_predicts_an_update_from_the_last_measured_ones() -> None:
+    now = [0.0]
+    src = TrainerSource(lambda: now[0], train_time_s=7.0, window=2)
+    for start, took in ((10.0, 3.0), (20.0, 5.0), (30.0, 1.0)):
+        now[0] = start
+        src.training()
+        now[0] = start + took
+        src.waiting()
+    now[0] = 100.0
+    src.training()  # the mean of the last two: (5 + 1) / 2
+    assert src().step_ends_at_s == pytest.approx(103.0)
 
 
 def test_slots_get_their_own_cores_only_where_there_are_enough() -> None:

@@ -20,6 +20,7 @@ SMALL = """\
 rollout: {group_size: 4, batch_trajectories: 8, max_tokens: 8}
 engines: {count: 2}
 trainer: {steps: 3}
+coordinator: {enabled: false}
 """
 
 

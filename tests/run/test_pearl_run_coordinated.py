@@ -1,12 +1,13 @@
 """``pearl run`` with the coordinator (``coordinator.enabled``): the real ``decide()`` on the
 tiny-cpu profile places the engines, and, the rollout batch being long against the
-trainer's update, lends the trainer's slot (an engine on it) while the trainer waits and
-takes it back once the batch is ready, before the update; it asks for the elastic slot
-(the shipped availability windows, compressed, open from the run's 5th second) and is
-granted it (whether an engine starts there before the policy gives it back depends on how
-far the batch is by then: not checked). The configuration allows these (an elastic
-slot, the marginal-gain rule) and asks for none; the run log (``events.jsonl``, read with
-``rollout.jsonl`` by ``pearl analyze``) shows them."""
+trainer's update, lends the trainer's slot (waking the engine asleep on it) while the
+trainer waits and takes it back before the update; nothing in the configuration asks for
+that. The elastic slot (the shipped availability windows, compressed, open from the run's
+5th second) is asked for by the ``greedy`` elastic rule, which this configuration sets to
+test the path (pearl's ``marginal-gain`` asks only when it predicts a gain), and granted
+(whether an engine starts there before the window ends depends on timing: not checked).
+The run log (``events.jsonl``, read with ``rollout.jsonl`` by ``pearl analyze``) shows
+them."""
 
 from __future__ import annotations
 
@@ -21,13 +22,14 @@ from test_pearl_run import _pearl
 
 RUN = """\
 run_dir: out
+env: {name: single_digit, operators: "+", max_turns: 1}
 rollout: {group_size: 4, batch_trajectories: 512, max_tokens: 64}
 trainer: {steps: 2}
 coordinator:
   enabled: true
   decision_interval_s: 0.5
   elastic_slots: 1
-  policy: {elastic: {rule: marginal-gain, min_window_factor: 2.0}}
+  policy: {elastic: {rule: greedy}}
 """
 
 
@@ -43,7 +45,7 @@ def test_the_policy_lends_the_trainers_slot_between_updates(tmp_path: Path) -> N
     steps = [r for r in records if r["type"] == "plan_step"]
     assert {"offload", "onload"} <= {s["action"] for s in steps}
     on_slot = [s["action"] for s in steps if s["worker_id"].startswith("e-trainer")]
-    assert on_slot[:1] == ["start"], steps  # an engine on the trainer's slot
+    assert on_slot[:1] == ["wake"], steps  # the asleep engine on the trainer's slot
     # returned before the update after it: each update starts once the slot is back
     rollout = [json.loads(line) for line in (out / "rollout.jsonl").read_text().splitlines()]
     updates = [r for r in rollout if r["type"] == "train_step"]
@@ -58,3 +60,32 @@ def test_the_policy_lends_the_trainers_slot_between_updates(tmp_path: Path) -> N
     run = summary["runs"][0] if "runs" in summary else summary
     assert run["borrow"]["windows"] >= 1 and run["pd"]["transitions"] >= 2
     assert run["training"]["train_steps"] == 2 and run["throughput"]["trajectories"] > 0
+
+
+def test_the_embedded_default_runs_with_the_coordinator(tmp_path: Path) -> None:
+    """``pearl run`` with no file, shortened to two updates: the coordinator is on, the
+    trainer's slot holds an engine put to sleep before the first decision, the first
+    plan starts the rollout's engines, and every batch's duration is logged beside its
+    prediction, which ``pearl analyze`` scores."""
+    done = _pearl("run", "--steps", "2", "--run-dir", "out", "--json", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout)["steps"] == 2
+    out = tmp_path / "out"
+    records = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    started = {
+        r["worker_id"] for r in records if r["type"] == "plan_step" and r["action"] == "start"
+    }
+    assert {"e-rollout-0", "e-rollout-1"} <= started and "e-trainer-0" not in started
+    phases = [r for r in records if r["type"] == "worker_phase" and r["worker_id"] == "e-trainer-0"]
+    assert phases and phases[0]["role"] == "idle", phases  # asleep from the start
+    rollout = [json.loads(line) for line in (out / "rollout.jsonl").read_text().splitlines()]
+    batches = [r for r in rollout if r["type"] == "batch_completed"]
+    pairs = [(r["predicted_s"], r["t"] - r["started_t"]) for r in batches]
+    assert any(p is not None for p, _ in pairs), pairs  # a decision predicted a batch
+    # within a factor of ten of what it took (a prediction from the snapshot of the batch
+    # before, ~0 s, or of an empty rollout, the plan's makespan, would not be)
+    assert all(0.1 < p / a < 10 for p, a in pairs if p is not None and a > 1.0), pairs
+    report = _pearl("analyze", "out", "--json", cwd=tmp_path)
+    assert report.returncode == 0, report.stderr
+    run = json.loads(report.stdout)["runs"][0]
+    assert run["batches"]["prediction"]["n"] >= 1
