@@ -81,13 +81,13 @@ def roles(config: RunConfig) -> list[Role]:
 
 
 def pd_label(router: Router) -> str:
-    """The PD configuration serving now: ``colocated x2``, ``1P:1D``."""
+    """The PD configuration serving now, as decisions label it: ``2C``, ``1P:1D``."""
     serving = [i for i in router.table if i.accepting]
     counts = {r: sum(i.role is r for i in serving) for r in (Role.COLOCATED, Role.PREFILL)}
     decode = sum(i.role is Role.DECODE for i in serving)
     if counts[Role.PREFILL] or decode:
         return f"{counts[Role.PREFILL]}P:{decode}D"
-    return f"colocated x{counts[Role.COLOCATED]}"
+    return f"{counts[Role.COLOCATED]}C"
 
 
 def serving_on(router: Router, node: str) -> int:

@@ -28,7 +28,7 @@ class StepReport:
     batch_wait_s: float  # the trainer's wait for this batch
     train_s: float
     sync_s: float
-    pd: str  # the PD configuration serving, e.g. "colocated x2" or "1P:1D"
+    pd: str  # the PD configuration serving, e.g. "2C" (colocated) or "1P:1D"
     lent: int = 0  # times the trainer's devices were lent since the previous update
     elastic: int = 0  # engines serving on elastic slots at the update's end
 
