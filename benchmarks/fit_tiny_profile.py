@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import statistics
 import sys
 import tempfile
@@ -31,7 +30,6 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 import yaml
@@ -43,6 +41,8 @@ from pearl.bench.profile_fit import fit_profile
 from pearl.engines.client import EngineClient
 from pearl.engines.reference.tiny import init_model
 from pearl.io.documents import load_profile
+from pearl.runlog.jsonl import read_records
+from pearl.runlog.schema import TrajectoryFinished, TurnEnded
 from pearl.trainer.reference import ReferenceTrainer
 
 COMMAND = "python benchmarks/fit_tiny_profile.py"
@@ -185,22 +185,22 @@ def measure(out: Path, threads: int, loaded: int) -> dict[str, float]:
 
 def workload_of(run_log: Path) -> dict[str, float]:
     """The workload defaults a ``pearl run``'s log shows (``trajectory_finished`` and
-    ``turn_ended`` records): means per trajectory and per turn."""
-    finished: list[dict[str, Any]] = []
+    ``turn_ended`` records, read by ``pearl.runlog.jsonl.read_records``): means per
+    trajectory and per turn."""
+    finished: list[TrajectoryFinished] = []
     env_s: list[float] = []
-    for line in run_log.read_text().splitlines():
-        r = json.loads(line)
-        if r["type"] == "trajectory_finished" and r.get("prompt_tokens") is not None:
+    for r in read_records(run_log):
+        if isinstance(r, TrajectoryFinished) and r.prompt_tokens is not None:
             finished.append(r)
-        elif r["type"] == "turn_ended" and r.get("env_s") is not None:
-            env_s.append(r["env_s"])
+        elif isinstance(r, TurnEnded) and r.env_s is not None:
+            env_s.append(r.env_s)
     if not finished:
         raise SystemExit(f"{run_log}: no trajectory_finished record with prompt_tokens")
-    turns = sum(r["num_turns"] for r in finished)
+    turns = sum(r.num_turns for r in finished)
     return {
-        "prompt_tokens": statistics.mean(r["prompt_tokens"] for r in finished),
-        "output_tokens_per_turn": sum(r["output_tokens"] for r in finished) / turns,
-        "observation_tokens_per_turn": sum(r["observation_tokens"] for r in finished) / turns,
+        "prompt_tokens": statistics.mean(r.prompt_tokens or 0 for r in finished),
+        "output_tokens_per_turn": sum(r.output_tokens for r in finished) / turns,
+        "observation_tokens_per_turn": sum(r.observation_tokens or 0 for r in finished) / turns,
         "env_latency_s": statistics.mean(env_s) if env_s else 0.0,
         "turns_per_trajectory": turns / len(finished),
     }

@@ -3,9 +3,9 @@
 The base job is ``coordinator.trainer_slots`` slots on node ``trainer`` (the trainer's) and
 ``coordinator.rollout_slots`` on node ``rollout``, GPU type ``cpu``; the run starts with no
 engine but, with ``coordinator.asleep_engines``, an asleep one on each trainer slot
-(started and put to sleep before the first decision, named as ``pearl.core.base_job``
-names them; a resumed run starts none: the journal's died with its incarnation). The
-coordinator's loop (``pearl.coordinator.loop.Coordinator``: observe ->
+(those of the coordinator's initial state, ``pearl.core.base_job``, started and put to
+sleep before the first decision; a resumed run starts none: the journal's died with its
+incarnation). The coordinator's loop (``pearl.coordinator.loop.Coordinator``: observe ->
 decide() -> journal -> act) runs in a thread of its own beside the asyncio data plane,
 every ``coordinator.decision_interval_s``, with
 
@@ -39,7 +39,7 @@ from pearl.agents.manager import RolloutManager
 from pearl.cluster.backend import AllocationBackend
 from pearl.cluster.local_backend import LOCAL_NODE, LocalBackend
 from pearl.control.messages import Command
-from pearl.coordinator.config import BaseJob, BaseNode, CoordinatorConfig
+from pearl.coordinator.config import BaseJob, BaseNode, CoordinatorConfig, initial_state
 from pearl.coordinator.loop import Coordinator, workload_file
 from pearl.core.calibration import BatchCalibration, scaled_engines
 from pearl.core.config import PolicyConfig
@@ -47,7 +47,8 @@ from pearl.core.decision import Decision, ElasticRequest
 from pearl.core.observation import Event, Observation
 from pearl.core.plan import Action
 from pearl.core.profile import RuntimeProfile
-from pearl.core.roles import Role
+from pearl.core.roles import Role, WorkerKind
+from pearl.core.state import ClusterState
 from pearl.io.documents import load_profile
 from pearl.router.plan_steps import PlanSteps
 from pearl.router.router import Router
@@ -156,7 +157,7 @@ async def coordinator_running(
     fresh = not (run_dir / "journal.jsonl").exists()
     try:
         if c.asleep_engines and fresh:
-            await asyncio.to_thread(start_asleep, engines, slots[: c.trainer_slots])
+            await asyncio.to_thread(start_asleep, engines, initial_state(cfg))
         co, control, backend, slot = _opened(
             config, cfg, profile, run_dir, router, engines, trainer, clock
         )
@@ -251,19 +252,18 @@ def _opened(
     return co, control, backend, slot
 
 
-def start_asleep(engines: LocalEngines, slots: list[str], timeout_s: float = 300.0) -> None:
-    """An engine on each trainer slot, started and put to sleep, named as the base job's
-    state names them (``pearl.core.base_job``: ``e-NODE-INDEX``)."""
-    for step_id, slot in enumerate(slots):
-        node, index = slot.split("/")
-        wid = f"e-{node}-{index}"
+def start_asleep(engines: LocalEngines, state: ClusterState, timeout_s: float = 300.0) -> None:
+    """The asleep engines of the run's initial state (``base.asleep_engines``: one on each
+    trainer slot), started and put to sleep as the state names and places them."""
+    asleep = [w for w in state.workers if w.kind is WorkerKind.ENGINE and w.role is Role.IDLE]
+    for step_id, w in enumerate(asleep):
         for action, role in ((Action.START, Role.COLOCATED), (Action.SLEEP, Role.IDLE)):
             cmd = Command(
                 cmd_id=f"asleep-{step_id}-{action.value}",
                 step_id=step_id,
                 action=action,
-                worker_id=wid,
-                gpu_ids=(slot,),
+                worker_id=w.worker_id,
+                gpu_ids=w.gpu_ids,
                 role=role,
                 deadline_s=timeout_s,
             )
