@@ -17,6 +17,7 @@ from pearl.cli import (
     profile,
     run,
     simulate,
+    trainer,
 )
 from pearl.cli.errors import run_command
 
@@ -38,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_parser(sub)
     profile.add_parser(sub)
     run.add_parser(sub)
+    trainer.add_parser(sub)
     return parser
 
 

@@ -78,5 +78,6 @@ def run(args: argparse.Namespace) -> int:
     rewards = [s.reward_mean for s in result.steps]
     tps = result.generated_tokens / max(result.wall_s, 1e-9)
     doc = summary(rewards, result.wall_s, result.run_dir, tps)
+    doc["trainer_restarts"] = result.trainer_restarts
     print(json.dumps(doc) if args.json else json.dumps(doc, indent=2))
     return 0

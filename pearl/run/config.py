@@ -115,6 +115,11 @@ class TrainerSection(Frozen):
         "reference", description="The torch CPU trainer (megatron: on GPUs)."
     )
     steps: PosInt = Field(30, description="Updates the run trains.")
+    process: bool = Field(
+        True,
+        description="The trainer in a process of its own (`pearl trainer serve`, driven over "
+        "HTTP; restarted from its last checkpoint if it dies); false: in the run's process.",
+    )
     optimizer: TrainerConfig = Field(
         default_factory=TrainerConfig, description="The loss and the optimiser."
     )

@@ -5,9 +5,12 @@
     router     over them (docs/router.md), scraping their /metrics
     manager    the rollout (docs/agents.md): RUN_DIR/rollout/, RUN_DIR/rollout.jsonl,
                RUN_DIR/workload.json
-    trainer    the reference trainer's loop (docs/training.md): batch k, update, commit
-               (RUN_DIR/checkpoints/step-N), weights to every engine (RUN_DIR/weights/vN),
-               the new version to the manager
+    trainer    `pearl trainer serve`, a process of its own (RUN_DIR/logs/trainer.log),
+               driven over HTTP by the trainer's loop (docs/training.md): batch k, update,
+               commit (RUN_DIR/checkpoints/step-N), weights to every engine
+               (RUN_DIR/weights/vN), the new version to the manager; a trainer process
+               that dies is restarted from its last checkpoint (``trainer.process: false``:
+               the trainer in the run's process)
 
 A ``train_step`` record per update goes to the run log beside the rollout's records (the
 batch's mean reward, the loss, the loss tokens, the weight sync's time), so
@@ -20,14 +23,15 @@ spool holds a batch taken before the stop), and the run trains until ``trainer.s
 With ``coordinator.enabled`` (``pearl/run/coordinated.py``, docs/run.md), the engines are
 not the config's: the coordinator's ``decide()`` places them on this machine's slots, lends
 the trainer's slot between updates and asks for elastic slots, through the same executor
-as on Slurm (``pearl/run/control.py``). Not here yet: the trainer as a process of its own;
-vLLM and Megatron-core as backends of ``pearl run``.
+as on Slurm (``pearl/run/control.py``). Not here yet: vLLM and Megatron-core as backends of
+``pearl run``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import signal
 import time
 from collections.abc import AsyncIterator, Callable
@@ -50,8 +54,13 @@ from pearl.run.progress import RunDisplay, StepReport
 from pearl.runlog.schema import RunEnded, TrainStep
 from pearl.trainer.checkpoint import CheckpointDir
 from pearl.trainer.loop import ManagerSource, resume_and_publish, train
+from pearl.trainer.protocol import Trainer
 from pearl.trainer.publish import PublishResult, WeightPublisher
 from pearl.trainer.reference import ReferenceTrainer
+from pearl.trainer.remote import RemoteTrainer, TrainerLost, TrainerProcess
+
+log = logging.getLogger(__name__)
+MAX_TRAINER_RESTARTS = 3  # a trainer process lost more often than this ends the run
 
 
 @dataclass(frozen=True)
@@ -60,6 +69,7 @@ class RunResult:
     wall_s: float
     run_dir: Path
     generated_tokens: int  # by the rollout in this invocation
+    trainer_restarts: int = 0  # trainer processes lost and started again
 
 
 def model_dir(config: RunConfig, base: Path, run_dir: Path) -> Path:
@@ -125,6 +135,27 @@ async def engines_running(
             p.stop()
 
 
+@contextlib.asynccontextmanager
+async def trainer_running(
+    config: RunConfig, model: Path, run_dir: Path
+) -> AsyncIterator[tuple[Trainer, TrainerProcess | None]]:
+    """The run's trainer: with ``trainer.process``, ``pearl trainer serve`` as a child
+    process (log: RUN_DIR/logs/trainer.log) and its client; else one in this process."""
+    if not config.trainer.process:
+        yield ReferenceTrainer(model, config.trainer.optimizer), None
+        return
+    process = TrainerProcess(model, config.trainer.optimizer, run_dir / "logs")
+    try:
+        await asyncio.to_thread(process.start)
+        remote = RemoteTrainer(process.url)
+        try:
+            yield remote, process
+        finally:
+            remote.close()
+    finally:
+        await asyncio.to_thread(process.stop)
+
+
 class RunStateError(ValueError):
     """The run directory's books disagree (checkpoints against the rollout's journal)."""
 
@@ -172,10 +203,12 @@ async def run_local(config: RunConfig, base: Path, display: RunDisplay | None = 
         config.rollout.manager_config(),
         run_dir,
     )
+    process: TrainerProcess | None = None
     try:
         async with contextlib.AsyncExitStack() as stack:
             devices: TrainerSlot | None = None
-            trainer = ReferenceTrainer(model, config.trainer.optimizer)
+            running = trainer_running(config, model, run_dir)
+            trainer, process = await stack.enter_async_context(running)
             if config.coordinator.enabled:
                 note("the coordinator decides: waiting for its first engines")
                 devices = await stack.enter_async_context(
@@ -208,32 +241,44 @@ async def run_local(config: RunConfig, base: Path, display: RunDisplay | None = 
             check_books(manager, step, run_dir)
             manager.start()  # after the resume's weights are on the engines
             note("rollout running")
-            await _train(
-                config,
-                manager,
-                router,
-                trainer,
-                source,
-                checkpoints,
-                publisher,
-                step,
-                reports,
-                display,
-                devices,
-                latest,
-            )
+            while True:  # a trainer process lost is restarted from its last checkpoint
+                try:
+                    await _train(
+                        config,
+                        manager,
+                        router,
+                        trainer,
+                        source,
+                        checkpoints,
+                        publisher,
+                        step,
+                        reports,
+                        display,
+                        devices,
+                        latest,
+                    )
+                    break
+                except TrainerLost as err:
+                    if process is None or process.restarts >= MAX_TRAINER_RESTARTS:
+                        raise
+                    log.warning("the trainer's process was lost (%s): restarting it", err)
+                    note(f"the trainer's process was lost ({err}): restarting it")
+                    await asyncio.to_thread(process.restart)
+                    step = await resume_and_publish(trainer, source, checkpoints, publisher)
+                    note(f"the trainer resumed at step {step}")
             manager.log_record(RunEnded(t=manager.now_s(), reason="trained"))
     finally:
         await manager.close()  # (a second close does nothing)
         await router.aclose()
-    return RunResult(reports, time.monotonic() - t0, run_dir, manager.generated_tokens)
+    restarts = process.restarts if process is not None else 0
+    return RunResult(reports, time.monotonic() - t0, run_dir, manager.generated_tokens, restarts)
 
 
 async def _train(
     config: RunConfig,
     manager: RolloutManager,
     router: Router,
-    trainer: ReferenceTrainer,
+    trainer: Trainer,
     source: ManagerSource,
     checkpoints: CheckpointDir,
     publisher: WeightPublisher,

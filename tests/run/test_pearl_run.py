@@ -6,8 +6,11 @@ configuration is one line and exit status 2."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -59,6 +62,54 @@ def test_pearl_run_trains_logs_and_resumes(tmp_path: Path) -> None:
     assert analyzed.returncode == 0, analyzed.stderr[-3000:]
     (run,) = json.loads(analyzed.stdout)["runs"]
     assert run["rollout_turns"]["turns"] > 0
+
+
+def _trainer_pid(config_file: Path) -> int | None:
+    """The pid of the ``pearl trainer serve`` process started with ``config_file``."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"serve" in argv and str(config_file).encode() in argv:
+            return int(proc.name)
+    return None
+
+
+def test_a_killed_trainer_process_is_restarted_and_no_update_is_lost(tmp_path: Path) -> None:
+    """SIGKILL to the trainer's process mid-run: the run starts another, which resumes
+    from the last checkpoint and trains every step once (the versions 1..6, in order)."""
+    (tmp_path / "run.yaml").write_text(
+        SMALL.replace("steps: 3", "steps: 6") + "run_dir: out\n", encoding="utf-8"
+    )
+    out = tmp_path / "out"
+    run = subprocess.Popen(
+        [sys.executable, "-m", "pearl.cli.main", "run", "run.yaml", "--json"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not (out / "checkpoints" / "step-000002").exists():
+            assert run.poll() is None and time.monotonic() < deadline, "no step 2"
+            time.sleep(0.1)
+        pid = _trainer_pid(out / "logs" / "trainer-config.json")
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        stdout, stderr = run.communicate(timeout=600)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == 0, stderr[-3000:]
+    doc = json.loads(stdout)
+    assert doc["trainer_restarts"] == 1 and "trainer's process was lost" in stderr
+    steps = [r for r in read_records(out / "rollout.jsonl") if r.type == "train_step"]
+    assert [s.policy_version for s in steps] == [1, 2, 3, 4, 5, 6]
+    assert _trainer_pid(out / "logs" / "trainer-config.json") is None  # stopped at the end
 
 
 def test_a_resume_under_another_seed_is_refused_in_one_line(tmp_path: Path) -> None:

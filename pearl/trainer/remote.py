@@ -1,0 +1,203 @@
+"""The trainer in another process: the client of ``pearl trainer serve`` and the process.
+
+:class:`RemoteTrainer` is a ``pearl.trainer.protocol.Trainer`` whose every call is a request
+to the trainer's server (``pearl.trainer.server``): the trainer's loop, the weight sync
+and the coordinator's offload and onload use it as they use a trainer in their own
+process. Its calls block (they run in threads, as a local trainer's do).
+
+:class:`TrainerProcess` starts ``pearl trainer serve`` as a child process (its output to
+``LOG_DIR/trainer.log``, appended across restarts), waits for ``/health``, and stops it
+(SIGTERM, then SIGKILL). ``restart()`` starts a new one on the same port after the old
+one died: the state it had is the last checkpoint's, which the caller loads
+(``pearl.trainer.loop.resume_and_publish``).
+
+Errors: an answer of 4xx or 5xx is :class:`TrainerError` with the server's message; no
+answer at all (the process died, or was killed, mid-call) is :class:`TrainerLost`, the
+case a run recovers from by restarting the process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from pearl.agents.batches import RolloutBatch, batch_text
+from pearl.control.workers import free_port
+from pearl.trainer.config import TrainerConfig
+from pearl.trainer.protocol import TrainMetrics
+
+START_TIMEOUT_S = 300.0
+
+
+class TrainerError(RuntimeError):
+    """The trainer's server answered with an error."""
+
+
+class TrainerLost(RuntimeError):
+    """The trainer's server gave no answer: its process is gone or unreachable."""
+
+
+_METRICS = {f.name for f in dataclasses.fields(TrainMetrics)}
+
+
+def metrics_of(doc: object) -> TrainMetrics:
+    if not isinstance(doc, dict) or set(doc) != _METRICS:
+        raise TrainerError(f"the trainer's metrics are not TrainMetrics' fields: {doc!r}"[:300])
+    return TrainMetrics(**doc)
+
+
+class RemoteTrainer:
+    """A ``Trainer`` at ``url`` (the module docstring)."""
+
+    def __init__(self, url: str, *, timeout_s: float = 3600.0) -> None:
+        self.url = url.rstrip("/")
+        self._client = httpx.Client(base_url=self.url, timeout=timeout_s)
+        self._state: dict[str, Any] = {"version": 0, "offloaded": False}
+
+    @property
+    def version(self) -> int:
+        return int(self._state["version"])
+
+    @property
+    def offloaded(self) -> bool:
+        return bool(self._state["offloaded"])
+
+    def _call(self, method: str, route: str, **kwargs: Any) -> dict[str, Any]:
+        try:
+            r = self._client.request(method, route, **kwargs)
+        except httpx.TransportError as err:
+            raise TrainerLost(f"trainer {self.url}{route}: no answer: {err}") from err
+        try:
+            doc = r.json()
+        except ValueError:
+            doc = None
+        if r.status_code != 200:
+            error = doc.get("error") if isinstance(doc, dict) else None
+            message = error.get("message") if isinstance(error, dict) else r.text[:300]
+            raise TrainerError(f"trainer {self.url}{route}: {r.status_code}: {message}")
+        if not isinstance(doc, dict):
+            raise TrainerError(f"trainer {self.url}{route}: the answer is not a JSON object")
+        state = doc.get("state", doc if route == "/state" else None)
+        if isinstance(state, dict) and "version" in state:
+            self._state = state
+        return doc
+
+    def refresh(self) -> dict[str, Any]:
+        """The server's state (version, offloaded), read anew."""
+        return self._call("GET", "/state")
+
+    def train_step(self, batch: RolloutBatch) -> TrainMetrics:
+        doc = self._call(
+            "POST",
+            "/train_step",
+            content=batch_text(batch),
+            headers={"content-type": "application/json"},
+        )
+        return metrics_of(doc.get("metrics"))
+
+    def export_weights(self, out_dir: Path) -> Path:
+        return Path(self._call("POST", "/export_weights", json={"out_dir": str(out_dir)})["path"])
+
+    def offload(self) -> None:
+        self._call("POST", "/offload")
+
+    def onload(self) -> None:
+        self._call("POST", "/onload")
+
+    def save_checkpoint(self, path: Path) -> None:
+        self._call("POST", "/save_checkpoint", json={"path": str(path)})
+
+    def load_checkpoint(self, path: Path) -> None:
+        self._call("POST", "/load_checkpoint", json={"path": str(path)})
+
+    def close(self) -> None:
+        self._client.close()
+
+
+def trainer_argv(model: Path, config_file: Path, port: int) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "pearl.cli.main",
+        "trainer",
+        "serve",
+        "--model",
+        str(model),
+        "--config",
+        str(config_file),
+        "--port",
+        str(port),
+    ]
+
+
+class TrainerProcess:
+    """``pearl trainer serve`` as a child process of this one (the module docstring)."""
+
+    def __init__(self, model: Path, config: TrainerConfig, log_dir: Path) -> None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.config_file = log_dir / "trainer-config.json"
+        self.config_file.write_text(config.model_dump_json(indent=2) + "\n", encoding="utf-8")
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.argv = trainer_argv(model, self.config_file, self.port)
+        self.log_path = log_dir / "trainer.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.restarts = 0
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def start(self, timeout_s: float = START_TIMEOUT_S) -> TrainerProcess:
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
+            )
+        self._wait_healthy(timeout_s)
+        return self
+
+    def _wait_healthy(self, timeout_s: float) -> None:
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"the trainer exited with {self.proc.returncode}: {self.log_tail()}"
+                )
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"the trainer not healthy after {timeout_s:.0f} s: {self.log_tail()}")
+
+    def restart(self) -> None:
+        """A new process in place of one that died (or is stopped first)."""
+        self.stop()
+        self.restarts += 1
+        self.start()
+
+    def log_tail(self, chars: int = 2000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return "(no log)"
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=timeout_s)

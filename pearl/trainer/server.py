@@ -1,0 +1,156 @@
+"""``pearl trainer serve``: a trainer backend in a process of its own, over HTTP.
+
+The routes are the ``pearl.trainer.protocol.Trainer`` protocol, one each, so that the run
+(``pearl run``, or a coordinator on another node) drives the trainer the way it drives
+an engine: by its URL (``pearl.trainer.remote.RemoteTrainer`` is the client). The model,
+the optimizer and the memory an offload frees are this process's.
+
+    GET  /health                                   200 once the model is loaded
+    GET  /state                                    {"version", "offloaded", "backend"}
+    POST /train_step       a RolloutBatch (JSON)   {"metrics": TrainMetrics, "state"}
+    POST /export_weights   {"out_dir"}             {"path", "state"}
+    POST /offload, /onload                         {"state"}
+    POST /save_checkpoint  {"path"}                {"state"}
+    POST /load_checkpoint  {"path"}                {"state"}
+
+One call at a time (a lock): an offload asked during an update waits for its end. A bad
+request (a batch that does not parse, a checkpoint that is not this model's, a missing
+field) is 400 with vLLM's JSON error body and changes nothing; any other failure is 500
+with the same body. FastAPI + uvicorn, as the engines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict
+
+from pearl.agents.batches import batch_of
+from pearl.engines.protocol import error_body
+from pearl.io.documents import InputError
+from pearl.trainer.config import TrainerConfig
+from pearl.trainer.protocol import Trainer
+
+
+class _Failed(Exception):
+    """The trainer raised: a 500 with the error's body (a handler of its own, so the
+    connection stays up: Starlette re-raises what only its catch-all handles)."""
+
+
+class _Path(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    path: str
+
+
+class _OutDir(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    out_dir: str
+
+
+def build_app(trainer: Trainer, backend: str = "reference") -> FastAPI:
+    app = FastAPI(title="pearl trainer")
+    lock = threading.Lock()
+
+    def state() -> dict[str, Any]:
+        return {
+            "version": trainer.version,
+            "offloaded": bool(getattr(trainer, "offloaded", False)),
+            "backend": backend,
+        }
+
+    def locked(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        with lock:
+            try:
+                out = fn()
+            except (InputError, ValueError):
+                raise
+            except Exception as err:  # answered 500, and the server goes on serving
+                raise _Failed(f"{type(err).__name__}: {err}") from err
+            return out | {"state": state()}
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, err: RequestValidationError) -> JSONResponse:
+        first = err.errors()[0] if err.errors() else {"msg": "invalid request", "loc": ()}
+        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+        msg = f"{where}: {first.get('msg')}" if where else str(first.get("msg"))
+        return JSONResponse(error_body(msg, param=where or None), status_code=400)
+
+    @app.exception_handler(InputError)
+    async def _input(_: Request, err: InputError) -> JSONResponse:
+        return JSONResponse(error_body(str(err)), status_code=400)
+
+    @app.exception_handler(ValueError)
+    async def _value(_: Request, err: ValueError) -> JSONResponse:
+        return JSONResponse(error_body(str(err)), status_code=400)
+
+    @app.exception_handler(_Failed)
+    async def _failed(_: Request, err: _Failed) -> JSONResponse:
+        return JSONResponse(error_body(str(err), status=500), status_code=500)
+
+    @app.get("/health")
+    def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/state")
+    def get_state() -> dict[str, Any]:
+        with lock:
+            return state()
+
+    @app.post("/train_step")
+    async def train_step(request: Request) -> dict[str, Any]:
+        text = (await request.body()).decode("utf-8", errors="replace")
+        batch = batch_of(text, "request body")  # a ValueError naming the field: 400
+
+        def step() -> dict[str, Any]:
+            return {"metrics": dataclasses.asdict(trainer.train_step(batch))}
+
+        return await asyncio.to_thread(locked, step)
+
+    @app.post("/export_weights")
+    def export_weights(body: _OutDir) -> dict[str, Any]:
+        return locked(lambda: {"path": str(trainer.export_weights(Path(body.out_dir)))})
+
+    @app.post("/offload")
+    def offload() -> dict[str, Any]:
+        return locked(lambda: _done(trainer.offload))
+
+    @app.post("/onload")
+    def onload() -> dict[str, Any]:
+        return locked(lambda: _done(trainer.onload))
+
+    @app.post("/save_checkpoint")
+    def save_checkpoint(body: _Path) -> dict[str, Any]:
+        return locked(lambda: _done(lambda: trainer.save_checkpoint(Path(body.path))))
+
+    @app.post("/load_checkpoint")
+    def load_checkpoint(body: _Path) -> dict[str, Any]:
+        path = Path(body.path)
+        if not path.is_dir():
+            raise InputError(path, "path", "no such checkpoint directory")
+        return locked(lambda: _done(lambda: trainer.load_checkpoint(path)))
+
+    return app
+
+
+def _done(fn: Callable[[], None]) -> dict[str, Any]:
+    fn()
+    return {}
+
+
+def serve(model_dir: Path, config: TrainerConfig, host: str = "127.0.0.1", port: int = 8100) -> int:
+    """The reference trainer on ``model_dir`` served until SIGTERM or SIGINT."""
+    import uvicorn
+
+    from pearl.trainer.reference import ReferenceTrainer
+
+    app = build_app(ReferenceTrainer(model_dir, config))
+    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+    return 0
