@@ -239,6 +239,23 @@ class RolloutLedger:
     def batch_ready(self) -> bool:
         return self.groups_needed() == 0
 
+    def groups_needed_at_take(self) -> int:
+        """Complete groups the next batch will still lack when the trainer can take it:
+        ``groups_needed`` after the updates of the batches taken already (a trainer takes
+        its next batch once it has updated on the last) have applied the past-bound rule.
+        Those updates make version ``initial_version + batches``, and every rule takes a
+        finished trajectory older than the bound back, so a complete group with one counts
+        no longer; a running one goes on. What the predictor asks of a first-completed
+        batch (``pearl.rollout.observed.snapshot``); in-order batches never pass the bound."""
+        if self.rules.batching is Batching.IN_ORDER:
+            return self.groups_needed()
+        at_take = self.rules.initial_version + self.totals.batches
+        if at_take <= self.version:
+            return self.groups_needed()
+        floor = at_take - self.rules.max_staleness_versions
+        kept = sum(self._head_version(g) >= floor for g in self._ready)
+        return max(self.rules.groups_per_batch - kept, 0)
+
     def in_order_batch_complete(self, batch_id: int) -> bool:
         """In-order: every group of batch ``batch_id`` is complete (taken or not)."""
         done = self._complete_in_batch.get(batch_id, 0)

@@ -182,8 +182,10 @@ def snapshot(
     batches) and the trajectories the ledger admits once the weights are ``version``.
 
     In-order batches ask for every unfinished trajectory. First-completed batches ask for
-    the next batch (``NextBatch``): the groups it still needs, and what the running update
-    will admit begins ``update_left_s`` from now."""
+    the next batch (``NextBatch``): the groups it still needs when the trainer can take
+    it (those the pending update's past-bound rule takes back need completing again:
+    ``RolloutLedger.groups_needed_at_take``), and what the running update will admit
+    begins ``update_left_s`` from now."""
     rules = ledger.rules
     if rules.batching is Batching.IN_ORDER:
         return WorkloadSnapshot(
@@ -191,7 +193,7 @@ def snapshot(
             not_started=ledger.capacity(version),
             stats=stats,
         )
-    needed = ledger.groups_needed()
+    needed = ledger.groups_needed_at_take()
     return WorkloadSnapshot(
         trajectories=tuple(progress),
         not_started=ledger.capacity(version),

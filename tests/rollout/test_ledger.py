@@ -3,6 +3,8 @@ whole groups in every batch, admission within capacity; and the rules on hand-ma
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
@@ -179,6 +181,16 @@ class LedgerRun(RuleBasedStateMachine):
         assert t.consumed_tokens >= t.off_policy_tokens >= 0
 
     @invariant()
+    def groups_needed_at_take_is_what_the_pending_updates_leave(self) -> None:
+        led = self.ledger
+        after = copy.deepcopy(led)
+        while after.totals.batches > after.version - after.rules.initial_version:
+            after.updated(self.now_s, after.version + 1)
+        assert led.groups_needed_at_take() == after.groups_needed()
+        if after.version > led.version and led.groups_needed_at_take() > led.groups_needed():
+            event("a pending update will take a complete group back")
+
+    @invariant()
     def admission_within_the_rule(self) -> None:
         r = self.ledger.rules
         led = self.ledger
@@ -259,6 +271,31 @@ def test_in_order_waits_for_its_own_trajectories() -> None:
         _finish(led, f"t{i}", 2.0)
     assert led.take_batch(2.0).traj_ids == ("t0", "t1", "t2", "t3")
     assert led.batch_ready()  # the second batch was already complete
+
+
+def test_a_group_the_pending_update_takes_back_is_still_needed() -> None:
+    """Batch 1 taken at version 1, its update pending: of the two complete groups for
+    batch 2, d's was admitted under version 0, past a bound of 1 once that update makes
+    version 2, so the batch, complete now, still needs a group at its take (as the update
+    then finds)."""
+    led = _ledger(group_size=1, batch_trajectories=2, max_staleness_versions=1)
+    for t in ("a", "b", "c", "d"):
+        led.admit((t,), 0.0)
+    for t in ("a", "b"):
+        _finish(led, t, 1.0)
+    led.take_batch(1.0)  # a and b; the update on them makes version 1
+    _finish(led, "c", 1.5)
+    assert led.groups_needed_at_take() == led.groups_needed() == 1  # c is within the bound
+    led.updated(2.0, 1)
+    led.admit(("e",), 2.0)
+    led.admit(("f",), 2.0)
+    _finish(led, "e", 3.0, version=1)
+    assert led.take_batch(3.0).traj_ids == ("c", "e")  # the update on them makes version 2
+    _finish(led, "f", 4.0, version=1)
+    _finish(led, "d", 4.0)  # admitted under version 0
+    assert led.groups_needed() == 0 and led.groups_needed_at_take() == 1
+    outcome = led.updated(5.0, 2)
+    assert outcome.taken_back == 1 and led.groups_needed() == 1
 
 
 @pytest.mark.parametrize("mode", list(PastBound))
