@@ -1,8 +1,9 @@
 """Helpers of the engine benchmarks: a reference-engine process, free ports, prompts.
 
 :class:`EngineProcess` starts ``pearl engine serve`` as a child process (its output to a
-log file), waits for ``/health`` and always stops it (terminate, then kill) on exit, so a
-benchmark leaves no engine behind even when it fails.
+log file; through ``pearl.control.pdeath``, so that it dies with its parent even by
+SIGKILL), waits for ``/health`` and always stops it (terminate, then kill) on exit, so a
+benchmark or a run leaves no engine behind even when it fails.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from types import TracebackType
 
 import httpx
 
+from pearl.control import pdeath
 from pearl.control.workers import free_port
 from pearl.engines.backend import reference_serve_argv
 
@@ -65,8 +67,11 @@ class EngineProcess:
 
     def start(self) -> EngineProcess:
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
+            self.proc = subprocess.Popen(  # it dies with this process, even by SIGKILL
+                pdeath.command(self.argv),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
             )
         return self
 

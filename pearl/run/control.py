@@ -60,6 +60,7 @@ from pearl.core.plan import Action, PlanStep, TransitionPlan
 from pearl.core.roles import Role, TransitionError
 from pearl.engines.backend import reference_serve_argv
 from pearl.router.plan_steps import PlanSteps
+from pearl.trainer.remote import TrainerLost
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +163,11 @@ class TrainerSlot:
 
     def onload(self) -> None:
         with self.lock:
-            self.trainer.onload()
+            try:
+                self.trainer.onload()
+            except TrainerLost:  # nothing to onload: the run starts a new trainer, onloaded
+                self._onloaded.set()  # (the loop's next call finds it lost and restarts it)
+                raise
             self._onloaded.set()
             self.onloads += 1
 

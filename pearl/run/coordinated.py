@@ -48,8 +48,9 @@ from pearl.core.observation import Event, Observation
 from pearl.core.plan import Action
 from pearl.core.profile import RuntimeProfile
 from pearl.core.roles import Role, WorkerKind
-from pearl.core.state import ClusterState
-from pearl.io.documents import load_profile
+from pearl.core.state import ClusterState, Frozen, NonNegInt
+from pearl.io.atomic import write_text_atomic
+from pearl.io.documents import load_profile, parse, read_document
 from pearl.router.plan_steps import PlanSteps
 from pearl.router.router import Router
 from pearl.run.config import RunConfig
@@ -69,6 +70,7 @@ from pearl.run.elastic import ScheduledBackend, compressed_windows
 
 log = logging.getLogger(__name__)
 SLOT_TYPE = "cpu"
+CALIBRATION_FILE = "calibration.json"
 TRAINER_NODE, ROLLOUT_NODE = "trainer", "rollout"
 
 
@@ -136,7 +138,9 @@ async def coordinator_running(
     the trainer's devices, for the trainer's loop (``pearl.trainer.loop.train``). The
     run's clock is the manager's; the manager hears each decision's prediction of the
     batch being gathered (``note_prediction``), and each completed batch calibrates the
-    profile the decisions predict with (``pearl.core.calibration``)."""
+    profile the decisions predict with (``pearl.core.calibration``; kept in
+    ``RUN_DIR/calibration.json``, so a resumed run predicts with it from its first
+    decision)."""
     clock = manager.now_s
     c, e = config.coordinator, config.engines
     cfg = coordinator_config(config, run_dir)
@@ -166,8 +170,10 @@ async def coordinator_running(
         raise
     aio = asyncio.get_running_loop()
 
-    calibration = BatchCalibration()
-    factors = {id(profile): (profile, 1.0)}  # each profile predicted with, and its factor
+    calibration = read_calibration(run_dir / CALIBRATION_FILE)  # a resumed run's, or none
+    first = scaled_engines(profile, calibration.factor) if calibration.batches else profile
+    co.profile = first
+    factors = {id(first): (first, calibration.factor)}  # each profile predicted with, its factor
 
     def predicted(d: Decision, obs: Observation, used: RuntimeProfile) -> None:
         # on the coordinator's thread; the simulator's rule: no work left, no prediction
@@ -183,6 +189,7 @@ async def coordinator_running(
             scaled = scaled_engines(profile, factor)
             factors[id(scaled)] = (scaled, factor)
             co.profile = scaled
+            write_calibration(run_dir / CALIBRATION_FILE, calibration)
             log.info(
                 "batch %.2f s, predicted %.2f s: engine costs x %.2f",
                 measured_s,
@@ -214,6 +221,26 @@ async def coordinator_running(
         manager.on_batch_completed = None
     if failed:
         raise RuntimeError(f"the coordinator's loop failed: {failed[0]}") from failed[0]
+
+
+class CalibrationState(Frozen):
+    """``RUN_DIR/calibration.json``: the online calibration, kept for a resumed run."""
+
+    log_factor: float
+    batches: NonNegInt
+
+
+def read_calibration(path: Path) -> BatchCalibration:
+    """The calibration a run wrote, or a new one (1.0) without the file."""
+    if not path.exists():
+        return BatchCalibration()
+    state = parse(CalibrationState, read_document(path), path)
+    return BatchCalibration(log_factor=state.log_factor, batches=state.batches)
+
+
+def write_calibration(path: Path, calibration: BatchCalibration) -> None:
+    state = CalibrationState(log_factor=calibration.log_factor, batches=calibration.batches)
+    write_text_atomic(path, state.model_dump_json() + "\n")
 
 
 def _opened(

@@ -32,13 +32,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from pearl.agents.manager import RolloutManager
+from pearl.agents.manager import RUN_LOG, RolloutManager
 from pearl.bench.engine_proc import EngineProcess
 from pearl.cluster.local_backend import LOCAL_NODE
 from pearl.control.workers import free_port
@@ -51,9 +52,11 @@ from pearl.run.config import RunConfig
 from pearl.run.control import TrainerSlot
 from pearl.run.coordinated import coordinator_running, until_serving
 from pearl.run.progress import RunDisplay, StepReport
+from pearl.runlog.jsonl import read_records
 from pearl.runlog.schema import RunEnded, TrainStep
 from pearl.trainer.checkpoint import CheckpointDir
-from pearl.trainer.loop import ManagerSource, resume_and_publish, train
+from pearl.trainer.config import TrainerConfig
+from pearl.trainer.loop import ManagerSource, resume_published, train
 from pearl.trainer.protocol import Trainer
 from pearl.trainer.publish import PublishResult, WeightPublisher
 from pearl.trainer.reference import ReferenceTrainer
@@ -135,16 +138,33 @@ async def engines_running(
             p.stop()
 
 
+def trainer_config(config: RunConfig, run_dir: Path) -> TrainerConfig:
+    """The trainer's settings as the run gives them: without ``threads``, a slot's share of
+    the cores (at least one; more threads than that stall on the cores the engines hold),
+    and without ``offload_dir``, ``RUN_DIR/trainer-offload``."""
+    t = config.trainer.optimizer
+    c = config.coordinator
+    slots = (
+        c.trainer_slots + c.rollout_slots + c.elastic_slots
+        if c.enabled
+        else config.engines.count + 1
+    )
+    threads = t.threads or max(1, len(os.sched_getaffinity(0)) // slots)
+    offload_dir = t.offload_dir or run_dir / "trainer-offload"
+    return t.model_copy(update={"threads": threads, "offload_dir": offload_dir})
+
+
 @contextlib.asynccontextmanager
 async def trainer_running(
     config: RunConfig, model: Path, run_dir: Path
 ) -> AsyncIterator[tuple[Trainer, TrainerProcess | None]]:
     """The run's trainer: with ``trainer.process``, ``pearl trainer serve`` as a child
     process (log: RUN_DIR/logs/trainer.log) and its client; else one in this process."""
+    optimizer = trainer_config(config, run_dir)
     if not config.trainer.process:
-        yield ReferenceTrainer(model, config.trainer.optimizer), None
+        yield ReferenceTrainer(model, optimizer), None
         return
-    process = TrainerProcess(model, config.trainer.optimizer, run_dir / "logs")
+    process = TrainerProcess(model, optimizer, run_dir / "logs")
     try:
         await asyncio.to_thread(process.start)
         remote = RemoteTrainer(process.url)
@@ -235,14 +255,24 @@ async def run_local(config: RunConfig, base: Path, display: RunDisplay | None = 
             )
             source = ManagerSource(manager)
             checkpoints = CheckpointDir(run_dir / "checkpoints")
-            step = await resume_and_publish(trainer, source, checkpoints, publisher)
+            step, _ = await resume_published(trainer, source, checkpoints, publisher)
             if step > 0:  # engines that start later load these
                 latest.append((run_dir / "weights" / f"v{trainer.version:06d}", trainer.version))
+                log_unreported(manager, logged_steps(run_dir / RUN_LOG), step)
             check_books(manager, step, run_dir)
             manager.start()  # after the resume's weights are on the engines
             note("rollout running")
+            lost: TrainerLost | None = None
             while True:  # a trainer process lost is restarted from its last checkpoint
                 try:
+                    if lost is not None:
+                        assert process is not None
+                        trained = reports[-1].step + 1 if reports else step
+                        step, published = await _recovered(
+                            process, trainer, source, checkpoints, publisher, devices, lost, note
+                        )
+                        lost = None
+                        _after_recovery(manager, router, published, step, trained, latest, note)
                     await _train(
                         config,
                         manager,
@@ -261,17 +291,74 @@ async def run_local(config: RunConfig, base: Path, display: RunDisplay | None = 
                 except TrainerLost as err:
                     if process is None or process.restarts >= MAX_TRAINER_RESTARTS:
                         raise
-                    log.warning("the trainer's process was lost (%s): restarting it", err)
-                    note(f"the trainer's process was lost ({err}): restarting it")
-                    await asyncio.to_thread(process.restart)
-                    step = await resume_and_publish(trainer, source, checkpoints, publisher)
-                    note(f"the trainer resumed at step {step}")
+                    lost = err
             manager.log_record(RunEnded(t=manager.now_s(), reason="trained"))
     finally:
         await manager.close()  # (a second close does nothing)
         await router.aclose()
     restarts = process.restarts if process is not None else 0
     return RunResult(reports, time.monotonic() - t0, run_dir, manager.generated_tokens, restarts)
+
+
+async def _recovered(
+    process: TrainerProcess,
+    trainer: Trainer,
+    source: ManagerSource,
+    checkpoints: CheckpointDir,
+    publisher: WeightPublisher,
+    devices: TrainerSlot | None,
+    lost: TrainerLost,
+    note: Callable[[str], None],
+) -> tuple[int, PublishResult | None]:
+    """A new trainer process in place of the lost one, resumed from the last checkpoint
+    (its weights published again); the step to train next, and the publish. It holds the
+    trainer's devices meanwhile, so that no lend lands in the middle of the restart."""
+    log.warning("the trainer's process was lost (%s): restarting it", lost)
+    note(f"the trainer's process was lost ({lost}): restarting it")
+    async with devices.update() if devices is not None else contextlib.nullcontext():
+        await asyncio.to_thread(process.restart)
+        step, published = await resume_published(trainer, source, checkpoints, publisher)
+    note(f"the trainer resumed at step {step}")
+    return step, published
+
+
+def _after_recovery(
+    manager: RolloutManager,
+    router: Router,
+    published: PublishResult | None,
+    step: int,
+    trained: int,
+    latest: list[tuple[Path, int]],
+    note: Callable[[str], None],
+) -> None:
+    """After a restart: the resumed weights are the latest (engines started later load
+    them), an engine that did not reload them leaves, and an update the lost process
+    committed but never reported gets its ``train_step`` record (``log_unreported``)."""
+    reload_failures(router, published, note)
+    if published is not None:
+        latest.append((published.weights_dir, published.version))
+    log_unreported(manager, trained, step)
+
+
+def logged_steps(run_log: Path) -> int:
+    """The updates the run log has a ``train_step`` record of (the last one's step + 1)."""
+    if not run_log.exists():
+        return 0
+    steps = [r.step for r in read_records(run_log) if isinstance(r, TrainStep)]
+    return max(steps) + 1 if steps else 0
+
+
+def log_unreported(manager: RolloutManager, logged: int, step: int) -> None:
+    """A ``train_step`` record for each update committed (a checkpoint) but never logged:
+    its trainer died, or the run was killed, between the checkpoint and the record. The
+    metrics died with it."""
+    t = manager.now_s()
+    for k in range(logged, step):
+        manager.log_record(
+            TrainStep.model_construct(
+                t=t, step=k, started_t=t, policy_version=k + 1, waited_for_gpus_s=0.0
+            )
+        )
 
 
 async def _train(

@@ -157,9 +157,22 @@ async def resume_and_publish(
     """Load the latest checkpoint; after one, publish its weights and report its version
     (both idempotent); the step to train next. A run calls it before its rollout starts,
     so that no trajectory runs on older weights than the checkpoint's."""
+    step, _ = await resume_published(trainer, source, checkpoints, publisher)
+    return step
+
+
+async def resume_published(
+    trainer: Trainer,
+    source: BatchSource,
+    checkpoints: CheckpointDir,
+    publisher: Publisher | None = None,
+) -> tuple[int, PublishResult | None]:
+    """``resume_and_publish``, with the publish's result (None: no checkpoint, or no
+    publisher)."""
     step = await asyncio.to_thread(resume, trainer, checkpoints)
+    published = None
     if step > 0:
         if publisher is not None:
-            await publisher.publish(trainer)
+            published = await publisher.publish(trainer)
         await source.updated(trainer.version)
-    return step
+    return step, published

@@ -6,8 +6,9 @@ and the coordinator's offload and onload use it as they use a trainer in their o
 process. Its calls block (they run in threads, as a local trainer's do).
 
 :class:`TrainerProcess` starts ``pearl trainer serve`` as a child process (its output to
-``LOG_DIR/trainer.log``, appended across restarts), waits for ``/health``, and stops it
-(SIGTERM, then SIGKILL). ``restart()`` starts a new one on the same port after the old
+``LOG_DIR/trainer.log``, appended across restarts; through ``pearl.control.pdeath``, so it
+dies with this process even when this one is SIGKILLed), waits for ``/health``, and
+stops it (SIGTERM, then SIGKILL). ``restart()`` starts a new one on the same port after the old
 one died: the state it had is the last checkpoint's, which the caller loads
 (``pearl.trainer.loop.resume_and_publish``).
 
@@ -18,7 +19,6 @@ case a run recovers from by restarting the process.
 
 from __future__ import annotations
 
-import dataclasses
 import signal
 import subprocess
 import sys
@@ -27,8 +27,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from pydantic import TypeAdapter, ValidationError
 
 from pearl.agents.batches import RolloutBatch, batch_text
+from pearl.control import pdeath
 from pearl.control.workers import free_port
 from pearl.trainer.config import TrainerConfig
 from pearl.trainer.protocol import TrainMetrics
@@ -44,13 +46,18 @@ class TrainerLost(RuntimeError):
     """The trainer's server gave no answer: its process is gone or unreachable."""
 
 
-_METRICS = {f.name for f in dataclasses.fields(TrainMetrics)}
+_METRICS = TypeAdapter(TrainMetrics)
 
 
 def metrics_of(doc: object) -> TrainMetrics:
-    if not isinstance(doc, dict) or set(doc) != _METRICS:
-        raise TrainerError(f"the trainer's metrics are not TrainMetrics' fields: {doc!r}"[:300])
-    return TrainMetrics(**doc)
+    """The metrics of a ``/train_step`` answer (NaN and infinities as JSON's ``NaN`` and
+    ``Infinity``, which the server writes)."""
+    try:
+        return _METRICS.validate_python(doc)
+    except ValidationError as err:
+        e = err.errors()[0]
+        field = ".".join(str(x) for x in e["loc"]) or "(document)"
+        raise TrainerError(f"the trainer's metrics: field '{field}': {e['msg']}") from None
 
 
 class RemoteTrainer:
@@ -156,25 +163,34 @@ class TrainerProcess:
         return self.proc.pid if self.proc is not None else None
 
     def start(self, timeout_s: float = START_TIMEOUT_S) -> TrainerProcess:
+        """Start the server (from a thread that outlives it: ``PR_SET_PDEATHSIG`` fires
+        when the thread that started a child ends) and wait until it answers as a trainer;
+        a server that does not is stopped."""
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
+            proc = subprocess.Popen(  # it dies with this process, even by SIGKILL
+                pdeath.command(self.argv),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
             )
-        self._wait_healthy(timeout_s)
+        self.proc = proc
+        try:
+            self._wait_healthy(proc, timeout_s)
+        except BaseException:
+            self.stop()
+            raise
         return self
 
-    def _wait_healthy(self, timeout_s: float) -> None:
-        assert self.proc is not None
+    def _wait_healthy(self, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"the trainer exited with {self.proc.returncode}: {self.log_tail()}"
-                )
+            if proc.poll() is not None:
+                raise RuntimeError(f"the trainer exited with {proc.returncode}: {self.log_tail()}")
             try:
-                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                r = httpx.get(f"{self.url}/state", timeout=2.0)
+                if r.status_code == 200 and "backend" in r.json():  # a trainer, on our port
                     return
-            except httpx.TransportError:
+            except (httpx.TransportError, ValueError):
                 pass
             time.sleep(0.2)
         raise RuntimeError(f"the trainer not healthy after {timeout_s:.0f} s: {self.log_tail()}")

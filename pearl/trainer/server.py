@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -30,7 +31,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
 
 from pearl.agents.batches import batch_of
@@ -105,14 +106,15 @@ def build_app(trainer: Trainer, backend: str = "reference") -> FastAPI:
             return state()
 
     @app.post("/train_step")
-    async def train_step(request: Request) -> dict[str, Any]:
+    async def train_step(request: Request) -> Response:
         text = (await request.body()).decode("utf-8", errors="replace")
         batch = batch_of(text, "request body")  # a ValueError naming the field: 400
 
         def step() -> dict[str, Any]:
             return {"metrics": dataclasses.asdict(trainer.train_step(batch))}
 
-        return await asyncio.to_thread(locked, step)
+        out = await asyncio.to_thread(locked, step)  # a NaN loss stays NaN (not null)
+        return Response(json.dumps(out, allow_nan=True), media_type="application/json")
 
     @app.post("/export_weights")
     def export_weights(body: _OutDir) -> dict[str, Any]:
@@ -152,5 +154,7 @@ def serve(model_dir: Path, config: TrainerConfig, host: str = "127.0.0.1", port:
     from pearl.trainer.reference import ReferenceTrainer
 
     app = build_app(ReferenceTrainer(model_dir, config))
-    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+    uvicorn.run(  # idle connections outlive the client's (httpx drops its own after 5 s)
+        app, host=host, port=port, log_level="warning", access_log=False, timeout_keep_alive=75
+    )
     return 0

@@ -32,6 +32,7 @@ from pearl.run.control import (
     engine_argv,
     slot_cores,
 )
+from pearl.trainer.remote import TrainerLost
 
 NODE = "localhost"
 
@@ -177,6 +178,35 @@ def test_the_trainer_slot_holds_updates_while_offloaded() -> None:
     asyncio.run(main())
     assert ran.is_set() and (slot.offloads, slot.onloads) == (1, 1)
     assert status().phase is TrainerPhase.WAITING and not status().needs_gpus
+
+
+def test_a_trainer_lost_while_lent_does_not_hold_the_update_forever() -> None:
+    """The onload of a trainer whose process died raises ``TrainerLost`` (the plan step
+    fails), and the update waiting for the slot goes on, to meet the loss itself (the run
+    then starts a new trainer)."""
+
+    class LostTrainer(FakeTrainer):
+        def onload(self) -> None:
+            raise TrainerLost("trainer http://127.0.0.1:1/onload: no answer")
+
+    slot = TrainerSlot(LostTrainer())
+    slot.offload()
+    ran = threading.Event()
+
+    async def update() -> None:
+        async with slot.update():
+            ran.set()
+
+    async def main() -> None:
+        task = asyncio.ensure_future(update())
+        await asyncio.sleep(0.2)
+        assert not ran.is_set()
+        with pytest.raises(TrainerLost):
+            await asyncio.to_thread(slot.onload)
+        await asyncio.wait_for(task, 5)
+
+    asyncio.run(main())
+    assert ran.is_set() and not slot.offloaded
 
 
 def test_the_trainer_source_reports_training_and_waiting() -> None:

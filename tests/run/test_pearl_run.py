@@ -85,11 +85,12 @@ def test_a_killed_trainer_process_is_restarted_and_no_update_is_lost(tmp_path: P
         SMALL.replace("steps: 3", "steps: 6") + "run_dir: out\n", encoding="utf-8"
     )
     out = tmp_path / "out"
+    err = (tmp_path / "stderr.txt").open("wb")  # a file, not a pipe nobody reads meanwhile
     run = subprocess.Popen(
         [sys.executable, "-m", "pearl.cli.main", "run", "run.yaml", "--json"],
         cwd=tmp_path,
         stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stderr=err,
         text=True,
     )
     try:
@@ -100,10 +101,12 @@ def test_a_killed_trainer_process_is_restarted_and_no_update_is_lost(tmp_path: P
         pid = _trainer_pid(out / "logs" / "trainer-config.json")
         assert pid is not None
         os.kill(pid, signal.SIGKILL)
-        stdout, stderr = run.communicate(timeout=600)
+        stdout, _ = run.communicate(timeout=600)
     finally:
         if run.poll() is None:
             run.kill()
+        err.close()
+    stderr = (tmp_path / "stderr.txt").read_text(errors="replace")
     assert run.returncode == 0, stderr[-3000:]
     doc = json.loads(stdout)
     assert doc["trainer_restarts"] == 1 and "trainer's process was lost" in stderr
