@@ -93,7 +93,7 @@ def trajectory_of(doc: object, where: str) -> Trajectory:
     try:
         return _TRAJECTORY.validate_python(doc)
     except ValidationError as err:
-        raise ValueError(f"{where}: {_first(err)}") from None
+        raise ValueError(f"{where}: {first_error(err)}") from None
 
 
 def batch_text(batch: RolloutBatch) -> str:
@@ -104,10 +104,11 @@ def batch_of(text: str, where: str) -> RolloutBatch:
     try:
         return _BATCH.validate_json(text)
     except ValidationError as err:
-        raise ValueError(f"{where}: {_first(err)}") from None
+        raise ValueError(f"{where}: {first_error(err)}") from None
 
 
-def _first(err: ValidationError) -> str:
+def first_error(err: ValidationError) -> str:
+    """``field 'a.b': message`` of a validation's first error."""
     e = err.errors()[0]
     field = ".".join(str(p) for p in e["loc"]) or "(document)"
     return f"field '{field}': {e['msg']}"

@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 from pydantic import TypeAdapter, ValidationError
 
-from pearl.agents.batches import RolloutBatch, batch_text
+from pearl.agents.batches import RolloutBatch, batch_text, first_error
 from pearl.control import pdeath
 from pearl.control.workers import free_port
 from pearl.trainer.config import TrainerConfig
@@ -55,9 +55,7 @@ def metrics_of(doc: object) -> TrainMetrics:
     try:
         return _METRICS.validate_python(doc)
     except ValidationError as err:
-        e = err.errors()[0]
-        field = ".".join(str(x) for x in e["loc"]) or "(document)"
-        raise TrainerError(f"the trainer's metrics: field '{field}': {e['msg']}") from None
+        raise TrainerError(f"the trainer's metrics: {first_error(err)}") from None
 
 
 class RemoteTrainer:

@@ -14,9 +14,9 @@ the optimizer and the memory an offload frees are this process's.
     POST /load_checkpoint  {"path"}                {"state"}
 
 One call at a time (a lock): an offload asked during an update waits for its end. A bad
-request (a batch that does not parse, a checkpoint that is not this model's, a missing
-field) is 400 with vLLM's JSON error body and changes nothing; any other failure is 500
-with the same body. FastAPI + uvicorn, as the engines.
+request (a batch that does not parse, a checkpoint that is not there or not this model's,
+a missing field) is 400 with vLLM's JSON error body; any other failure is 500 with the
+same body. FastAPI + uvicorn, as the engines.
 """
 
 from __future__ import annotations
@@ -155,6 +155,12 @@ def serve(model_dir: Path, config: TrainerConfig, host: str = "127.0.0.1", port:
 
     app = build_app(ReferenceTrainer(model_dir, config))
     uvicorn.run(  # idle connections outlive the client's (httpx drops its own after 5 s)
-        app, host=host, port=port, log_level="warning", access_log=False, timeout_keep_alive=75
+        app,
+        host=host,
+        port=port,
+        log_level="warning",
+        access_log=False,
+        timeout_keep_alive=75,
+        timeout_graceful_shutdown=5,
     )
     return 0

@@ -6,6 +6,8 @@ restarted one resumes from the checkpoint."""
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import signal
 from collections.abc import Iterator
@@ -29,6 +31,7 @@ from pearl.trainer.remote import (  # noqa: E402
     TrainerError,
     TrainerLost,
     TrainerProcess,
+    metrics_of,
 )
 
 CONFIG = TrainerConfig(minibatches=2, max_tokens_per_microbatch=24, seed=5, threads=1)
@@ -140,3 +143,15 @@ def test_a_killed_server_is_lost_and_a_restarted_one_resumes_from_the_checkpoint
     local.train_step(batch)
     second = _batch(local.model, 1, 1, seed=1)
     assert remote.train_step(second).loss == local.train_step(second).loss
+
+
+def test_metrics_from_the_wire_keep_nan_and_name_a_bad_field() -> None:
+    good = {
+        "step": 0, "version": 1, "loss": float("nan"), "reward_mean": 0.5, "reward_std": 0.1,
+        "kl": None, "clip_fraction": 0.0, "importance_weight_mean": 1.0, "tokens": 7,
+        "off_policy_tokens": 0, "grad_norm": float("inf"), "time_s": 0.2,
+    }  # fmt: skip
+    metrics = metrics_of(json.loads(json.dumps(good, allow_nan=True)))  # as the server writes
+    assert math.isnan(metrics.loss) and math.isinf(metrics.grad_norm) and metrics.kl is None
+    with pytest.raises(TrainerError, match="field 'tokens'"):
+        metrics_of(good | {"tokens": "many"})
