@@ -32,12 +32,10 @@ admission order), else at random.
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
 import json
 import logging
 import math
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -144,7 +142,6 @@ class RolloutManager:
         self._batch_predicted_s: float | None = None  # the batch being gathered, as first predicted
         self._batch_completed_t: float | None = None  # its last batch_completed
         self._batch_predicted_tag = 1.0
-        self._updates_s: collections.deque[float] = collections.deque(maxlen=4)  # measured
         # told of each batch as it is taken: (predicted s or None, measured s, the
         # prediction's tag), the measured time to its last batch_completed (one that lost a
         # group completes again)
@@ -442,8 +439,6 @@ class RolloutManager:
     async def updated(self, version: int) -> PastBoundOutcome:
         """The trainer's update made ``version``, now on the engines: the past-bound rule."""
         now = self.now_s()
-        if self._update_pending():  # its time, from the take of its batch
-            self._updates_s.append(now - self._batch_started_t)
         outcome = self.ledger.updated(now, version)
         self._write("updated", version=version)
         if not outcome.empty:
@@ -506,19 +501,7 @@ class RolloutManager:
             )
             for lv in self.live.values()
         ]
-        version, update_left_s = self.ledger.version, 0.0
-        if self._update_pending():  # as the simulator: what the update's end will admit
-            version += 1
-            expected_s = statistics.fmean(self._updates_s) if self._updates_s else 0.0
-            update_left_s = max(self._batch_started_t + expected_s - now, 0.0)
-        return snapshot(
-            self.ledger, progress_of, self.observer.turn_stats(), version, update_left_s
-        )
-
-    def _update_pending(self) -> bool:
-        """A batch is taken and its update has not reported (it runs, from the take on)."""
-        led = self.ledger
-        return led.totals.batches > led.version - led.rules.initial_version
+        return snapshot(self.ledger, progress_of, self.observer.turn_stats(), self.ledger.version)
 
     def _write_snapshot(self) -> None:
         write_text_atomic(self.run_dir / WORKLOAD, self.snapshot().model_dump_json() + "\n")
