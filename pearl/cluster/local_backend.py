@@ -11,6 +11,9 @@ End reasons: ``released``, ``completed`` (exit status 0), ``failed`` (any other 
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +67,11 @@ class LocalBackend:
         if allocation_id not in self._tracker.active():
             return
         self._tracker.mark_released(allocation_id)
-        self._jobs[allocation_id].cancel(check=False)
+        job = self._jobs[allocation_id]
+        job.cancel(check=False)  # SIGINT to submitit's local controller, and SIGTERM, which
+        if not job.done():  # it forwards to the task: a process started in the background
+            with contextlib.suppress(ProcessLookupError):  # of a shell ignores SIGINT
+                os.kill(int(job.job_id), signal.SIGTERM)
 
     def close(self) -> None:
         for allocation_id in self._tracker.active():

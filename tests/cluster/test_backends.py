@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import time
@@ -467,6 +468,25 @@ def test_local_backend_grant_release_end(tmp_path: Path) -> None:
     ended = _poll_until(b, clock, _kind("allocation_ended"), 15, seen)
     assert ended == AllocationEnded(allocation_id="loc", reason="released")
     assert b.poll(clock()) == []
+
+
+def test_local_backend_releases_a_job_that_ignores_sigint(tmp_path: Path) -> None:
+    """A coordinator started in the background of a shell ignores SIGINT, and so do the
+    jobs it submits: submitit's cancel (SIGINT) alone would leave the job running. The
+    release ends it all the same."""
+    clock = Clock()
+    b = LocalBackend(tmp_path)
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited by the job
+    try:
+        b.submit(H20, "bg")
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    seen: list[Event] = []
+    _poll_until(b, clock, _kind("allocation_granted"), 15, seen)
+    time.sleep(1.0)  # the job's task is running
+    b.release("bg")
+    ended = _poll_until(b, clock, _kind("allocation_ended"), 15, seen)
+    assert ended == AllocationEnded(allocation_id="bg", reason="released")
 
 
 def test_local_backend_payload_that_returns_completes(tmp_path: Path) -> None:
