@@ -255,10 +255,10 @@ async def run_local(config: RunConfig, base: Path, display: RunDisplay | None = 
             )
             source = ManagerSource(manager)
             checkpoints = CheckpointDir(run_dir / "checkpoints")
-            step, _ = await resume_published(trainer, source, checkpoints, publisher)
-            if step > 0:  # engines that start later load these
-                latest.append((run_dir / "weights" / f"v{trainer.version:06d}", trainer.version))
-                log_unreported(manager, logged_steps(run_dir / RUN_LOG), step)
+            step, published = await resume_published(trainer, source, checkpoints, publisher)
+            if step > 0:
+                logged = logged_steps(run_dir / RUN_LOG)
+                _resumed(manager, router, published, logged, step, latest, note)
             check_books(manager, step, run_dir)
             manager.start()  # after the resume's weights are on the engines
             note("rollout running")
@@ -272,7 +272,7 @@ async def run_local(config: RunConfig, base: Path, display: RunDisplay | None = 
                             process, trainer, source, checkpoints, publisher, devices, lost, note
                         )
                         lost = None
-                        _after_recovery(manager, router, published, step, trained, latest, note)
+                        _resumed(manager, router, published, trained, step, latest, note)
                     await _train(
                         config,
                         manager,
@@ -322,22 +322,23 @@ async def _recovered(
     return step, published
 
 
-def _after_recovery(
+def _resumed(
     manager: RolloutManager,
     router: Router,
     published: PublishResult | None,
+    logged: int,
     step: int,
-    trained: int,
     latest: list[tuple[Path, int]],
     note: Callable[[str], None],
 ) -> None:
-    """After a restart: the resumed weights are the latest (engines started later load
-    them), an engine that did not reload them leaves, and an update the lost process
-    committed but never reported gets its ``train_step`` record (``log_unreported``)."""
+    """After a resume from checkpoint ``step`` (the run's start, or a new trainer
+    process): the resumed weights are the latest (engines started later load them), an
+    engine that did not reload them leaves, and the updates committed but never logged
+    (``logged`` on) get their ``train_step`` records (``log_unreported``)."""
     reload_failures(router, published, note)
     if published is not None:
         latest.append((published.weights_dir, published.version))
-    log_unreported(manager, trained, step)
+    log_unreported(manager, logged, step)
 
 
 def logged_steps(run_log: Path) -> int:
