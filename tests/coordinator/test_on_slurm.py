@@ -237,13 +237,21 @@ def test_an_elastic_grant_brings_its_agent_and_a_preemption_takes_it_away(
         except (FileNotFoundError, json.JSONDecodeError):
             return []
 
+    def elastic_gpus() -> list[str]:
+        state = replay(journal).state if journal.exists() else None
+        return sorted(g.gpu_id for g in state.gpus if g.allocation_id == "el0001") if state else []
+
     try:
-        wait_for(lambda: any(a["state"] == "alive" for a in agents()), 60, "the agent", cluster)
+        # agents.json shows the agent alive at the tick that journals its GPUs, a moment
+        # before the journal does
+        wait_for(
+            lambda: any(a["state"] == "alive" for a in agents()) and elastic_gpus(),
+            60,
+            "the agent and its GPUs in the state",
+            cluster,
+        )
         (agent,) = agents()
-        state = replay(journal).state
-        assert state is not None
-        elastic = sorted(g.gpu_id for g in state.gpus if g.allocation_id == "el0001")
-        assert sorted(agent["gpus"]) == elastic  # type: ignore[arg-type]
+        assert sorted(agent["gpus"]) == elastic_gpus()  # type: ignore[arg-type]
         node = str(agent["node"])
         url: list[str] = []
 

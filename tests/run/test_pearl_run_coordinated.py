@@ -2,12 +2,12 @@
 tiny-cpu profile places the engines, and, the rollout batch being long against the
 trainer's update, lends the trainer's slot (waking the engine asleep on it) while the
 trainer waits and takes it back before the update; nothing in the configuration asks for
-that. The elastic slot (the shipped availability windows, compressed, open from the run's
-5th second) is asked for by the ``greedy`` elastic rule, which this configuration sets to
-test the path (pearl's ``marginal-gain`` asks only when it predicts a gain), and granted
-(whether an engine starts there before the window ends depends on timing: not checked).
-The run log (``events.jsonl``, read with ``rollout.jsonl`` by ``pearl analyze``) shows
-them."""
+that. The elastic slot (the shipped availability windows, compressed 100 times: the first
+opens at the run's 5th second and stays open longer than the run, however late a slow
+machine's plans let the coordinator poll) is asked for by the ``greedy`` elastic rule, which
+this configuration sets to test the path (pearl's ``marginal-gain`` asks only when it
+predicts a gain), and granted (whether an engine starts there is not checked). The run log
+(``events.jsonl``, read with ``rollout.jsonl`` by ``pearl analyze``) shows them."""
 
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ coordinator:
   enabled: true
   decision_interval_s: 0.5
   elastic_slots: 1
+  elastic_time_scale: 100
   policy: {elastic: {rule: greedy}}
 """
 
