@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,17 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--steps", type=int, help="updates to train (overrides trainer.steps)")
     p.add_argument("--run-dir", help="the run's folder (overrides run_dir)")
     p.add_argument("--seed", type=int, help="overrides rollout.seed and model.seed")
+    p.add_argument(
+        "--cluster",
+        choices=("local", "slurm"),
+        help="elastic devices from this machine or from Slurm (overrides cluster)",
+    )
+    p.add_argument(
+        "--submit",
+        action="store_true",
+        help="with --cluster slurm: submit the run as a Slurm job (submitit) and print its id",
+    )
+    p.add_argument("--folder", default="runs/jobs", help="--submit: submitit's job folder")
     p.add_argument("--json", action="store_true", help="print only the summary JSON")
     p.add_argument(
         "--print-config", action="store_true", help="print the configuration as JSON and exit"
@@ -48,7 +60,7 @@ def summary(
 
 
 def run(args: argparse.Namespace) -> int:
-    from pearl.run.config import load_run_config
+    from pearl.run.config import RunConfig, load_run_config
 
     config, base = load_run_config(args.config)
     changes: dict[str, Any] = {}
@@ -61,23 +73,53 @@ def run(args: argparse.Namespace) -> int:
     if args.seed is not None:
         changes["rollout"] = config.rollout.model_copy(update={"seed": args.seed})
         changes["model"] = config.model.model_copy(update={"seed": args.seed})
-    config = config.model_copy(update=changes)
+    if args.cluster is not None:
+        changes["cluster"] = args.cluster
+    config = RunConfig.model_validate({**config.model_dump(), **changes})
+    if args.cluster == "slurm":  # (a file that says so was checked as it loaded)
+        from pearl.run.on_slurm import cluster_profile
+
+        cluster_profile(config, base, Path(args.config) if args.config else None)
+    if args.submit:
+        return submit(args, config)
     if args.print_config:
         print(config.model_dump_json(indent=2))
         return 0
     for module in ("torch", "fastapi", "uvicorn", "safetensors", "tokenizers", "rich"):
         require(module)
     from pearl.agents.journal import JournalError
-    from pearl.run.local import RunStateError
+    from pearl.run.local import RunStateError, RunStopped
     from pearl.run.local import run as run_local
 
     try:
         result = run_local(config, base, show=not args.json)
     except (JournalError, RunStateError) as err:  # the run directory's books, not a bug
         raise InputError(config.run_dir, "run_dir", str(err)) from None
+    except RunStopped as stopped:  # Slurm's warning before a requeue, a SIGTERM, ...
+        print(f"pearl run: {stopped}; the same command resumes it", file=sys.stderr)
+        return 128 + stopped.signal.value
     rewards = [s.reward_mean for s in result.steps]
     tps = result.generated_tokens / max(result.wall_s, 1e-9)
     doc = summary(rewards, result.wall_s, result.run_dir, tps)
     doc["trainer_restarts"] = result.trainer_restarts
     print(json.dumps(doc) if args.json else json.dumps(doc, indent=2))
+    return 0
+
+
+def submit(args: argparse.Namespace, config: Any) -> int:
+    """``--submit``: the run's job on Slurm (``pearl.run.submit``); prints its job id."""
+    if config.cluster != "slurm" or args.config is None:
+        problem = "--submit needs a configuration file and --cluster slurm (or cluster: slurm)"
+        raise InputError("<command line>", "--submit", problem)
+    require("submitit")
+    from pearl.cluster.child_job import submit as submit_job
+    from pearl.run.submit import run_job_spec
+
+    overrides = [
+        *(["--steps", str(args.steps)] if args.steps is not None else []),
+        *(["--run-dir", str(config.run_dir)] if args.run_dir is not None else []),
+        *(["--seed", str(args.seed)] if args.seed is not None else []),
+    ]
+    spec, command = run_job_spec(str(Path(args.config).resolve()), Path(args.folder))
+    print(submit_job(spec, *command, *overrides))
     return 0

@@ -10,7 +10,9 @@ them on a thread pool against its :class:`~pearl.control.workers.Workers`, send 
 Preemption: SIGTERM or SIGUSR2 (Slurm's ``--signal``) -> ``Preempted(grace_s)``, stop the
 workers within part of the grace period, ``Bye("preempted")``, drop the intercommunicator,
 exit 0. A coordinator silent for ``missed_heartbeats`` intervals, or a ``Bye`` from it: stop
-the workers and exit (3 and 0). A refused ``Hello``: exit 2.
+the workers and exit (3 and 0; 3 too for a ``Bye`` that says the coordinator is restarting,
+so that the job's payload keeps the allocation for its next incarnation). A refused
+``Hello``: exit 2.
 """
 
 from __future__ import annotations
@@ -185,7 +187,7 @@ class Agent:
                     self.workers.stop_all(min(10.0, self.grace_s))
                     code = EXIT_OK if welcomed else EXIT_REFUSED
                     self._say(f"bye: {msg.reason}")
-                    return code
+                    return EXIT_LOST if msg.restarting and welcomed else code
             while not self._acks.empty():
                 ch.send(self._acks.get())
                 busy = True

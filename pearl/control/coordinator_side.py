@@ -261,12 +261,14 @@ class ControlServer:
     def new_cmd_id(self) -> str:
         return f"c{next(self._ids)}"
 
-    def close(self) -> None:
-        """Say Bye to live agents, stop the threads, close the port, remove the port file."""
+    def close(self, restarting: bool = False) -> None:
+        """Say Bye to live agents (``restarting``: that the next incarnation will take them
+        over), stop the threads, close the port, remove the port file."""
+        reason = "coordinator restarting" if restarting else "coordinator closing"
         with self._lock:
             for a, i in self.agents.items():
                 if i.state is AgentState.ALIVE:
-                    self._outbox.put((a, Bye(reason="coordinator closing")))
+                    self._outbox.put((a, Bye(reason=reason, restarting=restarting)))
         time.sleep(min(0.2, self.heartbeat_s))
         self._stop.set()
         for t in self._threads:

@@ -149,6 +149,9 @@ class Preempted(_Msg):
 class Bye(_Msg):
     type: Literal["bye"] = "bye"
     reason: str = ""
+    # from a coordinator that stops to come back (requeued, signalled): the agent keeps
+    # its allocation and joins the next incarnation (exit EXIT_LOST), instead of ending it
+    restarting: bool = False
 
 
 Message = Annotated[

@@ -72,8 +72,9 @@ class MpiControl:
             for a in self.server.agents_snapshot()
         ]
 
-    def close(self) -> None:
-        self.server.close()
+    def close(self, restarting: bool = False) -> None:
+        """Close the server; ``restarting``: the agents wait for the next incarnation."""
+        self.server.close(restarting)
         if self.router is not None:
             self.router.close()
 

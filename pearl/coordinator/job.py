@@ -106,8 +106,8 @@ def run_job(config_path: str, max_runtime_s: float | None = None) -> int:
         raise InputError(config_path, err.field_name, err.detail) from None
     finally:
         coordinator.close(ended)
-        if control is not None:
-            control.close()
+        if control is not None:  # a signalled coordinator's agents wait for the next one
+            control.close(restarting=bool(stopping["signal"]))
     if not stopping["signal"]:
         backend.close()  # a run that ended releases its allocations; a signalled one keeps them
     return 0

@@ -190,6 +190,60 @@ def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+class SlurmJob(Frozen):
+    """The run's own job (``pearl run --cluster slurm --submit``, ``slurm/pearl-run.sbatch``):
+    it holds the trainer's and the base rollout's devices and runs the data plane."""
+
+    partition: str = Field("train", min_length=1, description="Partition of the run's job.")
+    gres: str | None = Field(
+        None,
+        description="The job's GPUs as Slurm gres (gpu:h800:4: the trainer's slots first, "
+        "then the base rollout's); None: no gres (a CPU machine's slots).",
+        pattern=r"^[A-Za-z0-9_:.-]+$",
+    )
+    cpus_per_task: PosInt = Field(2, description="CPUs of the run's job.")
+    time_limit_min: PosInt = Field(1440, description="Time limit of one incarnation.")
+    signal_delay_s: PosInt = Field(
+        60,
+        description="Slurm's warning (USR2) this long before the time limit: the run "
+        "stops cleanly, keeping its elastic jobs, and is requeued.",
+    )
+    max_requeues: NonNegInt = Field(100, description="Incarnations after the first at most.")
+
+
+class SlurmSection(Frozen):
+    """Elastic allocations on Slurm (``cluster: slurm``): the policy's elastic section
+    names the partition, the GPU type, the GPUs per allocation and the time limit; this
+    one what the cluster offers and how the allocations' node agents run."""
+
+    run_id: str | None = Field(
+        None,
+        description="Tags the run's Slurm jobs (pearl-RUN_ID-el0001); None: the run "
+        "directory's name.",
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
+        max_length=64,
+    )
+    gpus_per_node: dict[str, PosInt] = Field(
+        default_factory=lambda: {"h20": 2},
+        description="GPUs per node of each elastic GPU type on this cluster.",
+    )
+    profile_gpu_types: dict[str, str] = Field(
+        default_factory=dict,
+        description="A cluster GPU type and the profile's GPU type whose costs stand for it "
+        "(the dev cluster's GPUs are device files and its engines run on the CPU: "
+        "{h20: cpu}); a type not named here must be the profile's own.",
+    )
+    qos: str | None = Field(None, description="Slurm QOS of the elastic jobs.")
+    poll_interval_s: PosFloat = Field(2.0, description="Fewest seconds between Slurm queries.")
+    grace_s: PosFloat = Field(
+        30.0, description="Time an elastic node's agent has to drain when it is taken back."
+    )
+    join_timeout_s: PosFloat = Field(
+        300.0, description="A grant whose agents have not joined by then is given back."
+    )
+    job: SlurmJob = Field(default_factory=SlurmJob)
+
+
 class RunConfig(Frozen):
     schema_version: Literal[1] = Field(1, description="Configuration schema version.")
     run_dir: str = Field("runs/pearl-run", description="Where the run's files go.")
@@ -202,6 +256,19 @@ class RunConfig(Frozen):
     engines: EnginesSection = Field(default_factory=EnginesSection)
     trainer: TrainerSection = Field(default_factory=TrainerSection)
     coordinator: CoordinatorSection = Field(default_factory=CoordinatorSection)
+    cluster: Literal["local", "slurm"] = Field(
+        "local",
+        description="Where elastic devices come from: this machine's slots on the shipped "
+        "windows (coordinator.elastic_slots), or Slurm jobs with node agents (the slurm "
+        "section; the run itself runs in a Slurm job: docs/slurm-run.md).",
+    )
+    slurm: SlurmSection = Field(default_factory=SlurmSection)
+
+    @model_validator(mode="after")
+    def _slurm_needs_the_coordinator(self) -> RunConfig:
+        if self.cluster == "slurm" and not self.coordinator.enabled:
+            raise ValueError("cluster: slurm needs coordinator.enabled (decide() asks Slurm)")
+        return self
 
 
 def load_run_config(path: str | Path | None) -> tuple[RunConfig, Path]:
@@ -212,4 +279,8 @@ def load_run_config(path: str | Path | None) -> tuple[RunConfig, Path]:
     p = Path(path)
     config = parse(RunConfig, read_document(p), p)
     registry.config_of(config.env, p)  # the environment's own checks, naming env.FIELD
+    if config.cluster == "slurm":
+        from pearl.run.on_slurm import cluster_profile
+
+        cluster_profile(config, p.parent, p)  # GPU types the profile cannot cost, named here
     return config, p.parent

@@ -441,7 +441,9 @@ class LocalControl:
             for n in self.server.nodes
         ]
 
-    def close(self, budget_s: float = 30.0) -> None:
+    def close(self, budget_s: float = 30.0, restarting: bool = False) -> None:
+        """Stop this machine's engines (``restarting`` changes nothing here: the next
+        incarnation starts its own)."""
         self.server.close()
         self.server.engines.stop_all(budget_s)
 

@@ -33,7 +33,7 @@ import logging
 import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pearl.agents.manager import RolloutManager
 from pearl.cluster.backend import AllocationBackend
@@ -67,6 +67,10 @@ from pearl.run.control import (
     slot_cores,
 )
 from pearl.run.elastic import ScheduledBackend, compressed_windows
+from pearl.run.on_slurm import cluster_profile
+
+if TYPE_CHECKING:
+    from pearl.run.split_control import SplitControl
 
 log = logging.getLogger(__name__)
 SLOT_TYPE = "cpu"
@@ -96,21 +100,43 @@ class NoElastic:
         return None
 
 
-def coordinator_config(config: RunConfig, run_dir: Path) -> CoordinatorConfig:
+def coordinator_config(
+    config: RunConfig, run_dir: Path, model: Path | None = None
+) -> CoordinatorConfig:
+    """The coordinator of the run: on this machine's slots, with elastic slots on
+    ``localhost``, or (``cluster: slurm``) with Slurm's elastic jobs and their agents."""
     c = config.coordinator
+    base = BaseJob(
+        trainer=(BaseNode(name=TRAINER_NODE, gpu_type=SLOT_TYPE, num_gpus=c.trainer_slots),),
+        rollout=(BaseNode(name=ROLLOUT_NODE, gpu_type=SLOT_TYPE, num_gpus=c.rollout_slots),),
+        asleep_engines=c.asleep_engines,
+    )
+    common = {
+        "schema_version": 1,
+        "run_dir": str(run_dir),
+        "profile": c.profile,
+        "decision_interval_s": c.decision_interval_s,
+        "base": base,
+    }
+    if config.cluster == "slurm":
+        from pearl.run.on_slurm import agent_section, run_id
+
+        s = config.slurm
+        return CoordinatorConfig(
+            **common,
+            run_id=run_id(config, run_dir),
+            backend="slurm",
+            gpus_per_node=dict(s.gpus_per_node),
+            qos=s.qos,
+            poll_interval_s=s.poll_interval_s,
+            policy=c.policy_config(),
+            agents=agent_section(config, model or run_dir / "model"),
+        )
     return CoordinatorConfig(
-        schema_version=1,
+        **common,
         run_id="pearl-run",
-        run_dir=str(run_dir),
-        profile=c.profile,
         backend="local",
         gpus_per_node={SLOT_TYPE: 1},
-        decision_interval_s=c.decision_interval_s,
-        base=BaseJob(
-            trainer=(BaseNode(name=TRAINER_NODE, gpu_type=SLOT_TYPE, num_gpus=c.trainer_slots),),
-            rollout=(BaseNode(name=ROLLOUT_NODE, gpu_type=SLOT_TYPE, num_gpus=c.rollout_slots),),
-            asleep_engines=c.asleep_engines,
-        ),
         policy=_one_allocation(c.policy_config(), c.elastic_slots),
     )
 
@@ -143,11 +169,13 @@ async def coordinator_running(
     decision)."""
     clock = manager.now_s
     c, e = config.coordinator, config.engines
-    cfg = coordinator_config(config, run_dir)
-    profile = load_profile(c.profile)
+    slurm = config.cluster == "slurm"
+    cfg = coordinator_config(config, run_dir, model)
+    profile = cluster_profile(config, Path.cwd()) if slurm else load_profile(c.profile)
     slots = [f"{TRAINER_NODE}/{i}" for i in range(c.trainer_slots)]
     slots += [f"{ROLLOUT_NODE}/{i}" for i in range(c.rollout_slots)]
-    slots += [f"{LOCAL_NODE}/{i}" for i in range(c.elastic_slots)]  # LocalBackend's grants
+    if not slurm:  # LocalBackend's grants; on Slurm, the elastic nodes' agents run theirs
+        slots += [f"{LOCAL_NODE}/{i}" for i in range(c.elastic_slots)]
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     extra = ("--max-num-seqs", str(e.max_num_seqs))
@@ -163,7 +191,7 @@ async def coordinator_running(
         if c.asleep_engines and fresh:
             await asyncio.to_thread(start_asleep, engines, initial_state(cfg))
         co, control, backend, slot = _opened(
-            config, cfg, profile, run_dir, router, engines, trainer, clock
+            config, cfg, profile, run_dir, model, router, engines, weights, trainer, clock
         )
     except BaseException:  # no engine outlives a failed start
         await asyncio.to_thread(engines.stop_all, 15.0)
@@ -210,14 +238,20 @@ async def coordinator_running(
 
     thread = threading.Thread(target=loop, name="pearl-coordinator", daemon=True)
     thread.start()
+    stopped = False  # by a signal: on Slurm, the next incarnation takes the elastic jobs over
     try:
         yield slot
+    except asyncio.CancelledError:
+        stopped = True
+        raise
     finally:
         stop.set()
         await asyncio.to_thread(thread.join)
-        co.close("trained" if not failed else "failed")
-        await asyncio.to_thread(backend.close)
-        await asyncio.to_thread(control.close, 15.0)
+        co.close(None if stopped else "trained" if not failed else "failed")
+        restarting = stopped and slurm  # the elastic jobs and their agents wait for it
+        if not restarting:
+            await asyncio.to_thread(backend.close)
+        await asyncio.to_thread(control.close, 15.0, restarting)
         manager.on_batch_completed = None
     if failed:
         raise RuntimeError(f"the coordinator's loop failed: {failed[0]}") from failed[0]
@@ -248,21 +282,40 @@ def _opened(
     cfg: CoordinatorConfig,
     profile: RuntimeProfile,
     run_dir: Path,
+    model: Path,
     router: Router,
     engines: LocalEngines,
+    weights: Weights,
     trainer: Any,
     clock: Callable[[], float],
-) -> tuple[Coordinator, LocalControl, AllocationBackend, TrainerSlot]:
-    """The coordinator opened over this machine's control plane and elastic backend."""
+) -> tuple[Coordinator, LocalControl | SplitControl, AllocationBackend, TrainerSlot]:
+    """The coordinator opened over its control plane and elastic backend: this machine's
+    (elastic slots on ``localhost``), or with ``cluster: slurm``, Slurm's elastic jobs and
+    their agents beside this job's own nodes (``pearl.run.split_control``)."""
     c = config.coordinator
     status = TrainerSource(clock, profile.costs.train_step_s)
     slot = TrainerSlot(trainer, status)
     trainers = TrainerWorkers(slot, (f"t-{TRAINER_NODE}",))  # base_job's trainer worker
-    server = LocalServer([TRAINER_NODE, ROLLOUT_NODE, LOCAL_NODE], engines, trainers)
+    slurm = config.cluster == "slurm"
+    nodes = [TRAINER_NODE, ROLLOUT_NODE] if slurm else [TRAINER_NODE, ROLLOUT_NODE, LOCAL_NODE]
+    server = LocalServer(nodes, engines, trainers)
     listener = RouterListener(PlanSteps(router), asyncio.get_running_loop(), timeout_s=30.0)
-    control = LocalControl(server, listener, min_deadline_s=60.0)
+    local = LocalControl(server, listener, min_deadline_s=60.0)
+    control: LocalControl | SplitControl = local
     backend: AllocationBackend = NoElastic()
-    if c.elastic_slots:
+    if slurm:
+        from pearl.coordinator.control_plane import MpiControl
+        from pearl.run.on_slurm import slurm_backend
+        from pearl.run.split_control import ElasticEngines
+        from pearl.run.split_control import SplitControl as Split
+
+        backend = slurm_backend(config, run_dir, model)
+        try:
+            control = Split(local, MpiControl.open(run_dir), ElasticEngines(weights))
+        except BaseException:
+            local.close(15.0)
+            raise
+    elif c.elastic_slots:
         windows = compressed_windows(c.elastic_time_scale)
         inner = LocalBackend(run_dir / "elastic", signal_delay_s=1)
         backend = ScheduledBackend(inner, windows, offset_s=c.elastic_offset_s)

@@ -66,6 +66,14 @@ log = logging.getLogger(__name__)
 MAX_TRAINER_RESTARTS = 3  # a trainer process lost more often than this ends the run
 
 
+class RunStopped(Exception):
+    """A signal stopped the run, cleanly: the same command on its directory resumes it."""
+
+    def __init__(self, sig: signal.Signals) -> None:
+        super().__init__(f"stopped by {sig.name}")
+        self.signal = sig
+
+
 @dataclass(frozen=True)
 class RunResult:
     steps: list[StepReport]
@@ -436,9 +444,20 @@ def run(config: RunConfig, base: Path, show: bool = True) -> RunResult:
         task = asyncio.current_task()
         assert task is not None
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGHUP):
-            loop.add_signal_handler(sig, task.cancel)
-        return await run_local(config, base, display)
+        received: list[signal.Signals] = []
+
+        def stop(sig: signal.Signals) -> None:
+            received.append(sig)
+            task.cancel()
+
+        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR2):  # USR2: Slurm's warning
+            loop.add_signal_handler(sig, stop, sig)
+        try:
+            return await run_local(config, base, display)
+        except asyncio.CancelledError:
+            if received:
+                raise RunStopped(received[0]) from None
+            raise
 
     if not show:
         return asyncio.run(main(None))

@@ -1,0 +1,95 @@
+"""A pearl command as a requeueable submitit job: the run (``pearl run --submit``) and the
+bare coordinator (``launch/submit.py --coordinator``) are submitted this way from a login
+node.
+
+The job runs ``python -m pearl.cli.main ARGV`` as a child process. When Slurm warns it
+(the time limit, or a preemption; ``--signal=USR2@signal_delay_s``), submitit calls
+``checkpoint``: the child is told (USR2: it stops cleanly, keeping its elastic jobs) and
+given ``stop_wait_s`` to do so, then the job is requeued with the same arguments and the
+next incarnation resumes from the run directory (journal, checkpoints, spool).
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import submitit
+from submitit.helpers import Checkpointable, DelayedSubmission
+from submitit.slurm.slurm import _make_sbatch_string
+
+
+class ChildJob(Checkpointable):
+    """``pearl ARGV`` under submitit, requeued with the same arguments (module docstring)."""
+
+    def __init__(self, stop_wait_s: float = 60.0) -> None:
+        self.stop_wait_s = stop_wait_s
+        self._child: subprocess.Popen[bytes] | None = None
+
+    def __call__(self, *argv: str) -> int:
+        self._child = subprocess.Popen([sys.executable, "-m", "pearl.cli.main", *argv])
+        code = self._child.wait()
+        if code != 0:
+            raise RuntimeError(f"pearl {argv[0]} exited with status {code}")
+        return code
+
+    def checkpoint(self, *argv: str) -> DelayedSubmission:
+        child = self._child
+        if child is not None and child.poll() is None:
+            child.send_signal(signal.SIGUSR2)
+            try:
+                child.wait(timeout=self.stop_wait_s)
+            except subprocess.TimeoutExpired:
+                child.kill()
+        return DelayedSubmission(ChildJob(self.stop_wait_s), *argv)
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """The Slurm job of one incarnation."""
+
+    name: str
+    partition: str
+    time_limit_min: int
+    signal_delay_s: int
+    folder: Path
+    max_requeues: int = 100
+    cpus_per_task: int = 1
+    gres: str | None = None
+
+
+def executor(spec: JobSpec) -> submitit.AutoExecutor:
+    ex = submitit.AutoExecutor(
+        folder=spec.folder, cluster="slurm", slurm_max_num_timeout=spec.max_requeues
+    )
+    extra: dict[str, Any] = {"requeue": True}
+    if spec.gres is not None:
+        extra["gres"] = spec.gres
+    ex.update_parameters(
+        name=spec.name,
+        slurm_partition=spec.partition,
+        timeout_min=spec.time_limit_min,
+        nodes=1,
+        tasks_per_node=1,
+        cpus_per_task=spec.cpus_per_task,
+        slurm_signal_delay_s=spec.signal_delay_s,
+        slurm_additional_parameters=extra,
+    )
+    return ex
+
+
+def sbatch_script(spec: JobSpec) -> str:
+    """The sbatch script submitit would write for ``spec`` (``--dry-run``)."""
+    params = executor(spec)._executor.parameters  # submitit keeps them there
+    command = "python -m submitit.core._submit FOLDER"
+    return str(_make_sbatch_string(command=command, folder=str(spec.folder), **params))
+
+
+def submit(spec: JobSpec, *argv: str) -> str:
+    """Submit ``pearl ARGV`` as ``spec``'s job; its Slurm job id."""
+    job = executor(spec).submit(ChildJob(), *argv)
+    return str(job.job_id)

@@ -1,0 +1,102 @@
+"""``pearl run`` with ``cluster: slurm``: elastic allocations are Slurm jobs with node agents.
+
+The run itself is one Slurm job (``slurm/pearl-run.sbatch``, or ``pearl run --submit``
+through submitit; docs/slurm-run.md): it holds the trainer's and the base rollout's
+devices and runs what a local run runs (router, rollout manager, the trainer's process,
+the base engines, the coordinator's loop). What changes is where elastic devices come
+from: ``decide()``'s requests go to ``SlurmBackend`` (``policy.elastic``: partition, GPU
+type, GPUs, time limit), each grant runs a node agent per node (``AgentPayload``) that
+starts reference engines on the node's GPUs when a plan says so, and the plans reach those
+agents over MPI (``pearl.run.split_control``). A grant counts once its agents have joined;
+one taken back by its owner is drained within ``slurm.grace_s``.
+
+A run stopped by a signal (Slurm's warning before a requeue or the time limit, SIGTERM)
+keeps its elastic jobs for the next incarnation, which replays the journal and finds them
+by name (``pearl-RUN_ID-el0001``); a run that ends releases them.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pearl.coordinator.config import AgentSection
+from pearl.core.profile import RuntimeProfile
+from pearl.engines.backend import EngineSection
+from pearl.io.documents import InputError, load_profile
+from pearl.run.config import RunConfig
+
+if TYPE_CHECKING:
+    from pearl.cluster.slurm_backend import SlurmBackend
+
+
+def run_id(config: RunConfig, run_dir: Path) -> str:
+    """The tag of the run's Slurm jobs: ``slurm.run_id``, or the run directory's name."""
+    if config.slurm.run_id is not None:
+        return config.slurm.run_id
+    tag = re.sub(r"[^A-Za-z0-9_.-]", "-", run_dir.name).lstrip("-_.") or "run"
+    return tag[:64]
+
+
+def agent_section(config: RunConfig, model: Path) -> AgentSection:
+    """The elastic nodes' agents: reference engines of the run's model, as the run's own
+    engines are started (threads, sequences at once)."""
+    e, s = config.engines, config.slurm
+    engine = EngineSection(
+        backend="reference",
+        model=str(model),
+        max_num_seqs=e.max_num_seqs,
+        extra_args=("--threads", str(e.threads)),
+    )
+    return AgentSection(engine=engine, grace_s=s.grace_s, join_timeout_s=s.join_timeout_s)
+
+
+def slurm_backend(config: RunConfig, run_dir: Path, model: Path) -> SlurmBackend:
+    """Elastic allocations as Slurm jobs, each with a node agent per node."""
+    from pearl.cluster.agent_payload import AgentPayload
+    from pearl.cluster.slurm_backend import SlurmBackend  # submitit: the slurm extra
+
+    s = config.slurm
+    agents = agent_section(config, model)
+    gpu_type = config.coordinator.policy_config().elastic.gpu_type
+    engines = agents.engine_commands(sys.executable)
+    payload = AgentPayload(str(run_dir), gpu_type, engines, grace_s=agents.grace_s)
+    return SlurmBackend(
+        run_id(config, run_dir),
+        run_dir / "elastic-jobs",
+        dict(s.gpus_per_node),
+        s.poll_interval_s,
+        qos=s.qos,
+        payload=payload,
+    )
+
+
+def cluster_profile(
+    config: RunConfig, relative_to: Path, named_in: Path | None = None
+) -> RuntimeProfile:
+    """The profile decide() predicts with on the cluster: ``coordinator.profile`` with each
+    cluster GPU type of ``slurm.profile_gpu_types`` costed as the profile type it names;
+    the elastic GPU type must be costed one way or the other."""
+    profile = load_profile(config.coordinator.profile, relative_to=relative_to, named_in=named_in)
+    where = named_in or "<config>"
+    gpus = dict(profile.gpus)
+    for cluster_type, profile_type in config.slurm.profile_gpu_types.items():
+        if profile_type not in profile.gpus:
+            known = ", ".join(sorted(profile.gpus))
+            problem = f"the profile has no GPU type {profile_type!r} (it has {known})"
+            raise InputError(where, f"slurm.profile_gpu_types.{cluster_type}", problem)
+        gpus[cluster_type] = profile.gpus[profile_type]
+    elastic = config.coordinator.policy_config().elastic
+    if elastic.rule != "never" and elastic.gpu_type not in gpus:
+        problem = (
+            f"{elastic.gpu_type!r} has no costs in profile {config.coordinator.profile!r}: "
+            "name the profile's type that stands for it in slurm.profile_gpu_types"
+        )
+        raise InputError(where, "coordinator.policy.elastic.gpu_type", problem)
+    if elastic.rule != "never" and elastic.gpu_type not in config.slurm.gpus_per_node:
+        known = ", ".join(sorted(config.slurm.gpus_per_node))
+        problem = f"{elastic.gpu_type!r} is not in slurm.gpus_per_node ({known})"
+        raise InputError(where, "coordinator.policy.elastic.gpu_type", problem)
+    return profile.model_copy(update={"gpus": gpus})
