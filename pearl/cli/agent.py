@@ -50,6 +50,12 @@ def add_options(p: argparse.ArgumentParser) -> None:
         default=os.environ.get("SLURM_JOB_ID"),
         help="the scheduler's job the agent runs in (default: SLURM_JOB_ID)",
     )
+    p.add_argument(
+        "--engine-host",
+        default="127.0.0.1",
+        help="the address its engines listen on and their URLs name (the node's name: "
+        "reachable from other nodes); default loopback",
+    )
     p.add_argument("--grace-s", type=float, default=30.0)
     p.add_argument("--connect-timeout-s", type=float, default=60.0)
     p.add_argument("--log-dir", default=None, help="the agent's and its engines' logs")
@@ -69,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
         for spec in args.engine:
             role, _, cmd = spec.partition("=")
             commands[role] = shlex.split(cmd)
-        workers = ProcessWorkers(commands, index, log_dir=args.log_dir)
+        workers = ProcessWorkers(commands, index, log_dir=args.log_dir, host=args.engine_host)
     agent_id = args.agent_id or f"{args.node}-{args.job_id or 'local'}-{os.getpid()}"
     agent = Agent(
         args.run_dir,

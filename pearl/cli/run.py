@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         changes["cluster"] = args.cluster
     config = RunConfig.model_validate({**config.model_dump(), **changes})
     if args.cluster == "slurm":  # (a file that says so was checked as it loaded)
-        from pearl.run.on_slurm import cluster_profile
+        from pearl.run.config import cluster_profile
 
         cluster_profile(config, base, Path(args.config) if args.config else None)
     if args.submit:

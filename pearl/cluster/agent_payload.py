@@ -41,12 +41,15 @@ class AgentPayload:
     null_workers: bool = False  # record commands without launching engines
     grace_s: float = 30.0
     reconnect_s: float = 600.0  # how long to wait for a requeued coordinator
+    engine_host: str = "loopback"  # or "node": engines on the node's name, for other nodes
 
     def command(self, node: str, gpus: str, job_id: str | None = None) -> list[str]:
         logs = Path(self.run_dir) / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         options = ["--gpus", gpus, "--gpu-type", self.gpu_type, "--grace-s", str(self.grace_s)]
         options += ["--log-dir", str(logs)]
+        if self.engine_host == "node":  # the engines' URLs must be reachable from the router
+            options += ["--engine-host", socket.gethostname()]
         if job_id is not None:
             options += ["--job-id", job_id]
         cmd = agent_command(self.run_dir, node, *options)
@@ -129,9 +132,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--null-workers", action="store_true")
     ap.add_argument("--grace-s", type=float, default=30.0)
     ap.add_argument("--reconnect-s", type=float, default=600.0)
+    ap.add_argument("--engine-host", choices=("loopback", "node"), default="loopback")
     a = ap.parse_args(argv)
     payload = AgentPayload(
-        a.run_dir, a.gpu_type, tuple(a.engine), a.null_workers, a.grace_s, a.reconnect_s
+        a.run_dir,
+        a.gpu_type,
+        tuple(a.engine),
+        a.null_workers,
+        a.grace_s,
+        a.reconnect_s,
+        a.engine_host,
     )
     return payload()
 

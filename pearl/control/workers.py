@@ -2,7 +2,8 @@
 
 :class:`ProcessWorkers` launches the engine command configured for a role (an argv
 template; ``{port}`` (its HTTP port), ``{kv_port}`` (a second free port, for the
-engine's KV side channel: NIXL's handshake), ``{role}`` and ``{worker_id}`` are filled in by
+engine's KV side channel: NIXL's handshake), ``{host}`` (the address it listens on, ``host``),
+``{role}`` and ``{worker_id}`` are filled in by
 ``str.format``, so literal braces are doubled) with ``CUDA_VISIBLE_DEVICES`` set to the
 local indices of the worker's GPUs, waits for ``GET /health``, and drives it over vLLM's
 HTTP routes through the one engine client (:mod:`pearl.engines.client`; one
@@ -33,8 +34,8 @@ succeeded (a failed one leaves the worker's recorded role and phase as they were
 that a worker is ``starting`` while its start waits for ``/health`` and ``stopping`` while
 its process is stopped. A worker still starting cannot be drained or switched: the table
 has no such edge. ``engine_url`` is a worker's base URL (``http://HOST:PORT``, ``host``
-127.0.0.1: the engines listen on loopback), which the agent's ack of a start or a wake
-reports for the router.
+127.0.0.1 unless the agent is given its node's name: ``pearl agent --engine-host``), which
+the agent's ack of a start or a wake reports for the router.
 """
 
 from __future__ import annotations
@@ -284,6 +285,7 @@ class ProcessWorkers:
             raise WorkerError(f"GPU {e.args[0]} is not on this node") from None
         port, kv_port = free_ports(2)
         fill = {"port": port, "kv_port": kv_port, "role": role.value, "worker_id": wid}
+        fill["host"] = self.host  # the address it listens on: the one its URL names
         args = [a.format(**fill) for a in argv]
         args = pdeath.command(args)  # the engine dies with the agent
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(idx)}

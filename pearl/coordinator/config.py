@@ -64,6 +64,11 @@ class AgentSection(Frozen):
         "its instance table follows the plan (docs/router.md, 'Plan steps'); None: no router.",
         pattern=r"^https?://[^\s/]+(/.*)?$",
     )
+    engine_host: Literal["loopback", "node"] = Field(
+        "loopback",
+        description="Where the agents' engines listen and what their URLs name: loopback "
+        "(a router on the same machine), or the node's name (a router on another node).",
+    )
     grace_s: PosFloat = Field(30.0, description="Time an agent has to drain on preemption.")
     join_timeout_s: PosFloat = Field(
         300.0, description="A granted allocation whose agents have not joined by then is released."

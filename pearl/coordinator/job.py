@@ -53,7 +53,9 @@ def make_backend(config: CoordinatorConfig, run_dir: Path) -> AllocationBackend:
     if a is not None:
         gpu_type = config.policy.elastic.gpu_type
         engines = a.engine_commands(sys.executable)  # agents run pearl's interpreter too
-        payload = AgentPayload(str(run_dir), gpu_type, engines, a.null_workers, a.grace_s)
+        payload = AgentPayload(
+            str(run_dir), gpu_type, engines, a.null_workers, a.grace_s, engine_host=a.engine_host
+        )
     if config.backend == "local":
         return LocalBackend(run_dir / "jobs", payload=payload)
     return SlurmBackend(

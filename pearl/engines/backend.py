@@ -36,7 +36,12 @@ Fraction = Annotated[float, Field(gt=0, le=1)]
 
 # Stand-ins for the agent's placeholders while a command is rendered (no braces, so the
 # rendered text can be brace-escaped before they become placeholders).
-_STAND_INS = {"port": "@PEARL_PORT@", "kv_port": "@PEARL_KV_PORT@", "worker_id": "@PEARL_ID@"}
+_STAND_INS = {
+    "port": "@PEARL_PORT@",
+    "kv_port": "@PEARL_KV_PORT@",
+    "worker_id": "@PEARL_ID@",
+    "host": "@PEARL_HOST@",
+}
 _VLLM_ONLY = ("tensor_parallel_size", "gpu_memory_utilization")
 _REFERENCE_ONLY = ("kv_cache_tokens",)
 
@@ -88,6 +93,7 @@ def reference_serve_argv(
     engine_id: str,
     kv_port: int | str | None = None,
     threads: int | None = None,
+    host: str | None = None,
     extra: Sequence[str] = (),
 ) -> list[str]:
     """``pearl engine serve``'s command line (the CPU reference engine), as every launcher
@@ -95,6 +101,8 @@ def reference_serve_argv(
     run``'s slots. ``port`` and ``kv_port`` may be placeholders."""
     argv = [python, "-m", "pearl.cli.main", "engine", "serve", "--model", str(model)]
     argv += ["--port", str(port)]
+    if host is not None:
+        argv += ["--host", host]
     if kv_port is not None:
         argv += ["--kv-port", str(kv_port)]
     argv += ["--engine-id", engine_id]
@@ -112,6 +120,7 @@ def engine_commands(section: EngineSection, python: str) -> dict[str, str]:
             port=_STAND_INS["port"],
             kv_port=_STAND_INS["kv_port"],
             engine_id=_STAND_INS["worker_id"],
+            host=_STAND_INS["host"],
         )
         optional = [
             ("--max-model-len", section.max_model_len),
@@ -123,6 +132,7 @@ def engine_commands(section: EngineSection, python: str) -> dict[str, str]:
     else:
         spec = VllmServe(
             model=section.model,
+            host=_STAND_INS["host"],
             port=_STAND_INS["port"],
             tensor_parallel_size=section.tensor_parallel_size,
             max_model_len=section.max_model_len,

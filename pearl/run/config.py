@@ -15,9 +15,10 @@ from pydantic import Field, model_validator
 from pearl.agents.loop import Limits
 from pearl.agents.manager import RolloutConfig
 from pearl.core.config import PolicyConfig
+from pearl.core.profile import RuntimeProfile
 from pearl.core.state import Frozen, NonNegInt
 from pearl.envs import registry
-from pearl.io.documents import parse, read_document
+from pearl.io.documents import InputError, load_profile, parse, read_document
 from pearl.rollout.rules import Batching, PastBound, RolloutRules
 from pearl.router.router import Sampling
 from pearl.trainer.config import TrainerConfig
@@ -280,7 +281,34 @@ def load_run_config(path: str | Path | None) -> tuple[RunConfig, Path]:
     config = parse(RunConfig, read_document(p), p)
     registry.config_of(config.env, p)  # the environment's own checks, naming env.FIELD
     if config.cluster == "slurm":
-        from pearl.run.on_slurm import cluster_profile
-
         cluster_profile(config, p.parent, p)  # GPU types the profile cannot cost, named here
     return config, p.parent
+
+
+def cluster_profile(
+    config: RunConfig, relative_to: Path, named_in: Path | None = None
+) -> RuntimeProfile:
+    """The profile decide() predicts with on the cluster: ``coordinator.profile`` with each
+    cluster GPU type of ``slurm.profile_gpu_types`` costed as the profile type it names;
+    the elastic GPU type must be costed one way or the other."""
+    profile = load_profile(config.coordinator.profile, relative_to=relative_to, named_in=named_in)
+    where = named_in or "<config>"
+    gpus = dict(profile.gpus)
+    for cluster_type, profile_type in config.slurm.profile_gpu_types.items():
+        if profile_type not in profile.gpus:
+            known = ", ".join(sorted(profile.gpus))
+            problem = f"the profile has no GPU type {profile_type!r} (it has {known})"
+            raise InputError(where, f"slurm.profile_gpu_types.{cluster_type}", problem)
+        gpus[cluster_type] = profile.gpus[profile_type]
+    elastic = config.coordinator.policy_config().elastic
+    if elastic.rule != "never" and elastic.gpu_type not in gpus:
+        problem = (
+            f"{elastic.gpu_type!r} has no costs in profile {config.coordinator.profile!r}: "
+            "name the profile's type that stands for it in slurm.profile_gpu_types"
+        )
+        raise InputError(where, "coordinator.policy.elastic.gpu_type", problem)
+    if elastic.rule != "never" and elastic.gpu_type not in config.slurm.gpus_per_node:
+        known = ", ".join(sorted(config.slurm.gpus_per_node))
+        problem = f"{elastic.gpu_type!r} is not in slurm.gpus_per_node ({known})"
+        raise InputError(where, "coordinator.policy.elastic.gpu_type", problem)
+    return profile.model_copy(update={"gpus": gpus})

@@ -53,7 +53,7 @@ from pearl.io.atomic import write_text_atomic
 from pearl.io.documents import load_profile, parse, read_document
 from pearl.router.plan_steps import PlanSteps
 from pearl.router.router import Router
-from pearl.run.config import RunConfig
+from pearl.run.config import RunConfig, cluster_profile
 from pearl.run.control import (
     LocalControl,
     LocalEngines,
@@ -67,7 +67,6 @@ from pearl.run.control import (
     slot_cores,
 )
 from pearl.run.elastic import ScheduledBackend, compressed_windows
-from pearl.run.on_slurm import cluster_profile
 
 if TYPE_CHECKING:
     from pearl.run.split_control import SplitControl

@@ -23,9 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pearl.coordinator.config import AgentSection
-from pearl.core.profile import RuntimeProfile
 from pearl.engines.backend import EngineSection
-from pearl.io.documents import InputError, load_profile
 from pearl.run.config import RunConfig
 
 if TYPE_CHECKING:
@@ -50,7 +48,9 @@ def agent_section(config: RunConfig, model: Path) -> AgentSection:
         max_num_seqs=e.max_num_seqs,
         extra_args=("--threads", str(e.threads)),
     )
-    return AgentSection(engine=engine, grace_s=s.grace_s, join_timeout_s=s.join_timeout_s)
+    return AgentSection(  # the router is in the run's job: on another node, on a cluster
+        engine=engine, engine_host="node", grace_s=s.grace_s, join_timeout_s=s.join_timeout_s
+    )
 
 
 def slurm_backend(config: RunConfig, run_dir: Path, model: Path) -> SlurmBackend:
@@ -62,7 +62,9 @@ def slurm_backend(config: RunConfig, run_dir: Path, model: Path) -> SlurmBackend
     agents = agent_section(config, model)
     gpu_type = config.coordinator.policy_config().elastic.gpu_type
     engines = agents.engine_commands(sys.executable)
-    payload = AgentPayload(str(run_dir), gpu_type, engines, grace_s=agents.grace_s)
+    payload = AgentPayload(
+        str(run_dir), gpu_type, engines, grace_s=agents.grace_s, engine_host=agents.engine_host
+    )
     return SlurmBackend(
         run_id(config, run_dir),
         run_dir / "elastic-jobs",
@@ -71,32 +73,3 @@ def slurm_backend(config: RunConfig, run_dir: Path, model: Path) -> SlurmBackend
         qos=s.qos,
         payload=payload,
     )
-
-
-def cluster_profile(
-    config: RunConfig, relative_to: Path, named_in: Path | None = None
-) -> RuntimeProfile:
-    """The profile decide() predicts with on the cluster: ``coordinator.profile`` with each
-    cluster GPU type of ``slurm.profile_gpu_types`` costed as the profile type it names;
-    the elastic GPU type must be costed one way or the other."""
-    profile = load_profile(config.coordinator.profile, relative_to=relative_to, named_in=named_in)
-    where = named_in or "<config>"
-    gpus = dict(profile.gpus)
-    for cluster_type, profile_type in config.slurm.profile_gpu_types.items():
-        if profile_type not in profile.gpus:
-            known = ", ".join(sorted(profile.gpus))
-            problem = f"the profile has no GPU type {profile_type!r} (it has {known})"
-            raise InputError(where, f"slurm.profile_gpu_types.{cluster_type}", problem)
-        gpus[cluster_type] = profile.gpus[profile_type]
-    elastic = config.coordinator.policy_config().elastic
-    if elastic.rule != "never" and elastic.gpu_type not in gpus:
-        problem = (
-            f"{elastic.gpu_type!r} has no costs in profile {config.coordinator.profile!r}: "
-            "name the profile's type that stands for it in slurm.profile_gpu_types"
-        )
-        raise InputError(where, "coordinator.policy.elastic.gpu_type", problem)
-    if elastic.rule != "never" and elastic.gpu_type not in config.slurm.gpus_per_node:
-        known = ", ".join(sorted(config.slurm.gpus_per_node))
-        problem = f"{elastic.gpu_type!r} is not in slurm.gpus_per_node ({known})"
-        raise InputError(where, "coordinator.policy.elastic.gpu_type", problem)
-    return profile.model_copy(update={"gpus": gpus})

@@ -331,3 +331,25 @@ def test_an_engine_whose_agent_is_gone_before_it_starts_does_not_start(tmp_path:
     assert wrong_parent.returncode == 1 and not marker.exists()
     right = subprocess.run(pdeath.command(touch), timeout=30)
     assert right.returncode == 0 and marker.exists()
+
+
+def test_an_engine_on_the_nodes_name_listens_there_and_its_url_says_so(tmp_path: Path) -> None:
+    """``pearl agent --engine-host NAME`` (``agents.engine_host: node``): the engine is
+    told to listen on ``{host}``, and the URL the agent reports names it, so that a router
+    on another node reaches it."""
+    import socket
+
+    from pearl.cluster.agent_payload import AgentPayload
+
+    host = socket.gethostname()
+    workers = ProcessWorkers({"*": [*FAKE, "--host", "{host}"]}, {"n0/0": 0}, host=host)
+    try:
+        workers.execute(_cmd(A.START, role=R.DECODE, gpu_ids=("n0/0",)))
+        url = workers.base_url("w0")
+        assert url.startswith(f"http://{host}:")
+        assert call(lambda c: c.health(), url, 5.0)
+    finally:
+        workers.stop_all(5.0)
+    argv = AgentPayload(str(tmp_path), "h20", engine_host="node").command("n1", "0")
+    assert argv[argv.index("--engine-host") + 1] == host
+    assert "--engine-host" not in AgentPayload(str(tmp_path), "h20").command("n1", "0")

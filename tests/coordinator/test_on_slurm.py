@@ -124,6 +124,7 @@ def test_coordinator_job_gets_a_grant_and_resumes_after_a_requeue(
         [
             sys.executable,
             str(REPO / "launch" / "submit.py"),
+            "--coordinator",
             str(config),
             "--folder",
             str(tmp_path / "jobs"),

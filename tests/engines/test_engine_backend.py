@@ -21,7 +21,7 @@ PY = "/opt/py/bin/python"
 
 def _filled(template: str) -> list[str]:
     """The argv the agent runs for worker ``w3`` (as ``pearl.control.workers`` fills it)."""
-    fill = {"port": 8100, "kv_port": 5601, "role": "decode", "worker_id": "w3"}
+    fill = {"port": 8100, "kv_port": 5601, "role": "decode", "worker_id": "w3", "host": "n1"}
     return [a.format(**fill) for a in shlex.split(template)]
 
 
@@ -31,12 +31,13 @@ def test_the_reference_engine_command() -> None:
     assert list(commands) == ["*"]
     assert _filled(commands["*"]) == [
         *(PY, "-m", "pearl.cli.main", "engine", "serve", "--model", "/m/tiny"),
-        *("--port", "8100", "--kv-port", "5601", "--engine-id", "w3"),
+        *("--port", "8100", "--host", "n1", "--kv-port", "5601", "--engine-id", "w3"),
         *("--max-model-len", "512", "--kv-cache-tokens", "4096"),
     ]
     bare = EngineSection(model="/m/my model", max_num_seqs=8, extra_args=("--seed", "1"))
     assert _filled(engine_commands(bare, PY)["*"])[6:] == [
-        *("/m/my model", "--port", "8100", "--kv-port", "5601", "--engine-id", "w3"),
+        *("/m/my model", "--port", "8100", "--host", "n1", "--kv-port", "5601"),
+        *("--engine-id", "w3"),
         *("--max-num-seqs", "8", "--seed", "1"),
     ]
 
@@ -50,6 +51,7 @@ def test_the_vllm_command_leaves_the_gpus_to_the_agent() -> None:
     assert not any(a.startswith("CUDA_VISIBLE_DEVICES") for a in argv)
     assert argv[3:6] == ["vllm", "serve", "/m/tiny"]
     assert argv[argv.index("--port") + 1] == "8100"
+    assert argv[argv.index("--host") + 1] == "n1"  # the agent's --engine-host
     assert argv[argv.index("--tensor-parallel-size") + 1] == "2"
     assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.8"
     kv = json.loads(argv[argv.index("--kv-transfer-config") + 1])

@@ -144,11 +144,12 @@ def test_pearl_run_on_slurm_survives_a_preemption_and_a_requeue(
     updates = [r for r in rollout if r["type"] == "train_step"]
     assert [u["policy_version"] for u in updates] == list(range(1, STEPS + 1)), updates
     # every trajectory finished once, or again after an update took it back (the staleness
-    # rule: restarted from its prompt, counted in past_bound), or lost with a record when
-    # its manager stopped (started again from its prompt)
+    # rule: restarted from its prompt, counted in past_bound; one taken back may still be
+    # in flight at the end, or lost at the requeue), or lost with a record when its
+    # manager stopped (started again from its prompt)
     finished = [r["traj_id"] for r in rollout if r["type"] == "trajectory_finished"]
     taken_back = sum(r["taken_back"] for r in rollout if r["type"] == "past_bound")
-    assert len(finished) - len(set(finished)) == taken_back
+    assert len(finished) - len(set(finished)) <= taken_back
     lost = Counter(r["reason"] for r in rollout if r["type"] == "trajectory_lost")
     assert set(lost) <= {"manager_restart"}, lost  # none lost to the preemption
     consumed = [r for r in rollout if r["type"] == "batch_consumed"]
