@@ -220,7 +220,7 @@ class SlurmSection(Frozen):
     run_id: str | None = Field(
         None,
         description="Tags the run's Slurm jobs (pearl-RUN_ID-el0001); None: the run "
-        "directory's name.",
+        "directory's name and a hash of its path.",
         pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
         max_length=64,
     )

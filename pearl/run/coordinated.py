@@ -185,6 +185,10 @@ async def coordinator_running(
         weights=weights,
         cores=slot_cores(slots),
     )
+    if slurm:  # this incarnation's job id in RUN_DIR/run.json: pearl analyze --sacct-query
+        from pearl.coordinator.job import run_start_s
+
+        run_start_s(run_dir)
     fresh = not (run_dir / "journal.jsonl").exists()
     try:
         if c.asleep_engines and fresh:

@@ -17,6 +17,7 @@ by name (``pearl-RUN_ID-el0001``); a run that ends releases them.
 
 from __future__ import annotations
 
+import hashlib
 import re
 import sys
 from pathlib import Path
@@ -31,11 +32,14 @@ if TYPE_CHECKING:
 
 
 def run_id(config: RunConfig, run_dir: Path) -> str:
-    """The tag of the run's Slurm jobs: ``slurm.run_id``, or the run directory's name."""
+    """The tag of the run's Slurm jobs: ``slurm.run_id``, or the run directory's name and a
+    hash of its path (two runs in folders of the same name must not take each other's
+    jobs for theirs: a requeued run finds its elastic jobs by name)."""
     if config.slurm.run_id is not None:
         return config.slurm.run_id
-    tag = re.sub(r"[^A-Za-z0-9_.-]", "-", run_dir.name).lstrip("-_.") or "run"
-    return tag[:64]
+    tag = re.sub(r"[^A-Za-z0-9_.-]", "-", run_dir.name).lstrip("-_.")[:50] or "run"
+    digest = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:8]
+    return f"{tag}-{digest}"
 
 
 def agent_section(config: RunConfig, model: Path) -> AgentSection:

@@ -1,0 +1,130 @@
+"""``pearl run``'s Slurm side, from the configuration to the job it submits (no cluster
+needed: the dev-cluster runs are tests/run/test_pearl_run_on_slurm.py and
+tests/slurm/test_templates.py): the shipped example loads; GPU types the profile cannot
+cost and elastic types the cluster does not offer are one line naming the field, exit 2;
+the run's job is what the config's ``slurm.job`` says; the agents' engines are the run's."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pearl.io.documents import InputError
+from pearl.run.config import load_run_config
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "examples" / "runs" / "dev-cluster.yaml"
+
+
+def _with(tmp_path: Path, **changes: object) -> Path:
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    for dotted, value in changes.items():
+        *parents, leaf = dotted.split("__")
+        node = doc
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(doc), encoding="utf-8")
+    return path
+
+
+def test_the_example_loads_and_costs_its_elastic_gpus() -> None:
+    from pearl.run.config import cluster_profile
+
+    config, base = load_run_config(EXAMPLE)
+    assert config.cluster == "slurm" and base == EXAMPLE.parent
+    profile = cluster_profile(config, base, EXAMPLE)
+    assert profile.gpus["h20"] == profile.gpus["cpu"]  # slurm.profile_gpu_types
+
+
+@pytest.mark.parametrize(
+    ("changes", "field", "problem"),
+    [
+        pytest.param(
+            {"slurm__profile_gpu_types": {"h20": "h100"}},
+            "slurm.profile_gpu_types.h20",
+            "the profile has no GPU type 'h100'",
+            id="alias-to-nothing",
+        ),
+        pytest.param(
+            {"slurm__profile_gpu_types": {}},
+            "coordinator.policy.elastic.gpu_type",
+            "'h20' has no costs in profile 'tiny-cpu'",
+            id="uncosted",
+        ),
+        pytest.param(
+            {"slurm__gpus_per_node": {"h800": 8}},
+            "coordinator.policy.elastic.gpu_type",
+            "'h20' is not in slurm.gpus_per_node (h800)",
+            id="not-offered",
+        ),
+        pytest.param(
+            {"coordinator__enabled": False},
+            "cluster",
+            "slurm needs coordinator.enabled",
+            id="no-coordinator",
+        ),
+    ],
+)
+def test_what_slurm_cannot_run_is_one_line_naming_the_field(
+    tmp_path: Path, changes: dict[str, object], field: str, problem: str
+) -> None:
+    path = _with(tmp_path, **changes)
+    with pytest.raises(InputError) as err:
+        load_run_config(path)
+    assert problem in str(err.value) and field in str(err.value)
+    done = subprocess.run(
+        [sys.executable, "-m", "pearl.cli.main", "run", str(path), "--print-config"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert problem in done.stderr
+
+
+def test_the_runs_job_is_the_configs_and_runs_pearl_run_on_slurm(tmp_path: Path) -> None:
+    pytest.importorskip("submitit")
+    from pearl.cluster.child_job import sbatch_script
+    from pearl.run.submit import run_job_spec
+
+    spec, command = run_job_spec(str(EXAMPLE), tmp_path / "jobs")
+    assert command == ("run", str(EXAMPLE), "--cluster", "slurm", "--json")
+    script = sbatch_script(spec)
+    for line in (
+        "#SBATCH --job-name=pearl-base",  # pearl analyze --sacct-query: the base's devices
+        "#SBATCH --partition=train",
+        "#SBATCH --gres=gpu:h800:3",
+        "#SBATCH --requeue",
+        "#SBATCH --signal=USR2@60",
+        "#SBATCH --time=60",
+    ):
+        assert line in script, script
+    dry = subprocess.run(
+        [sys.executable, str(REPO / "launch" / "submit.py"), str(EXAMPLE), "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert dry.returncode == 0 and "#SBATCH --job-name=pearl-base" in dry.stdout, dry.stderr
+
+
+def test_the_elastic_agents_start_the_runs_engines_on_their_nodes_name(tmp_path: Path) -> None:
+    from pearl.run.coordinated import coordinator_config
+    from pearl.run.on_slurm import run_id
+
+    config, _ = load_run_config(EXAMPLE)
+    cfg = coordinator_config(config, tmp_path / "my run!", tmp_path / "model")
+    assert cfg.backend == "slurm" and cfg.run_id == run_id(config, tmp_path / "my run!")
+    assert cfg.run_id.startswith("my-run--")  # a Slurm job name's characters only
+    assert run_id(config, tmp_path / "a" / "out") != run_id(config, tmp_path / "b" / "out")
+    agents = cfg.agents
+    assert agents is not None and agents.engine is not None
+    assert agents.engine_host == "node" and agents.engine.model == str(tmp_path / "model")
+    ((role, command),) = [c.split("=", 1) for c in agents.engine_commands("/py")]
+    assert role == "*" and "--host {host}" in command and "--max-num-seqs 64" in command
