@@ -114,6 +114,10 @@ class _Live:
     turns_done: int = 0
     env_started_s: float = 0.0  # run clock
     task: asyncio.Task[None] | None = None
+    # set when an update restarts or drops it: its episode's task is cancelled, and one
+    # that goes on anyway (Python 3.11's wait_for can swallow a cancellation that meets a
+    # result) is stopped at its next hook and never finishes the trajectory
+    cancelled: bool = False
 
 
 @dataclass
@@ -259,18 +263,28 @@ class RolloutManager:
                 hooks=self,
             )
         except Exception as err:  # a bug or a refused request: this trajectory, not the run
+            if live.cancelled:
+                return
             log.exception("trajectory %s failed", live.traj_id)
             traj = Trajectory(live.traj_id, end_reason="agent_error", info={"error": str(err)})
-        self._finish(traj)
+        if not live.cancelled:  # a cancelled episode that went on finishes nothing
+            self._finish(traj)
+
+    def _running(self, traj_id: str) -> _Live:
+        """The live trajectory a hook is about; a cancelled episode's hook stops it."""
+        live = self.live[traj_id]
+        if live.cancelled:
+            raise asyncio.CancelledError(f"{traj_id}: restarted or dropped by an update")
+        return live
 
     # EpisodeHooks
     def turn_sent(self, traj_id: str, turn: int, context_tokens: int) -> None:
-        live = self.live[traj_id]
+        live = self._running(traj_id)
         self.ledger.sent(traj_id)
         live.phase, live.context_tokens = TrajPhase.PREFILL, context_tokens
 
     def model_turn_ended(self, traj_id: str, turn: int, out: TurnOutput) -> None:
-        live = self.live[traj_id]
+        live = self._running(traj_id)
         self.generated_tokens += len(out.token_ids)
         spans = _spans(out.versions)
         for version, n in spans:
@@ -286,7 +300,7 @@ class RolloutManager:
     def env_step_ended(
         self, traj_id: str, record: TurnRecord, observation_tokens: int | None
     ) -> None:
-        live = self.live[traj_id]
+        live = self._running(traj_id)
         self.log_record(
             TurnEnded.model_construct(
                 t=self._run_t(record.ended_s),
@@ -445,6 +459,9 @@ class RolloutManager:
             self.log_record(past_bound_record(now, outcome, self.config.rules.past_bound))
         gone = [*outcome.restarted, *outcome.dropped]
         cancelled = [task for t in gone if t in self.live and (task := self.live[t].task)]
+        for t in gone:
+            if t in self.live:
+                self.live[t].cancelled = True
         for task in cancelled:
             task.cancel()
         await asyncio.gather(*cancelled, return_exceptions=True)

@@ -25,6 +25,7 @@ from manager_setup import CONFIG, open_manager
 from pearl.agents.batches import RolloutBatch, trajectory_doc
 from pearl.agents.journal import JournalError, read_journal
 from pearl.agents.manager import JOURNAL, RUN_LOG, SPOOL, WORKLOAD, RolloutManager
+from pearl.core.roles import Role
 from pearl.core.workload import WorkloadSnapshot
 from pearl.io.documents import parse, read_document
 from pearl.rollout.ledger import TrajState
@@ -316,3 +317,70 @@ def test_a_corrupt_journal_is_refused_with_its_line(tmp_path: Path) -> None:
         assert path.read_text(encoding="utf-8") == f"{good}\n{torn}"  # a reader writes nothing
         assert len(list(read_journal(path, repair=True))) == 1
         assert path.read_text(encoding="utf-8") == f"{good}\n"  # the resuming manager cuts it
+
+
+class _Stubborn:
+    """The arithmetic environment; every third episode's steps take 2 s (the others'
+    0.05 s), so that those fall behind and an update restarts them mid-step, and a
+    cancellation that arrives meanwhile is swallowed (as Python 3.11's ``asyncio.wait_for``
+    can when it meets a result): the episode goes on after the update that cancelled it."""
+
+    swallowed = 0
+    made = 0
+
+    def __init__(self) -> None:
+        from pearl.envs import registry
+
+        self.inner = registry.make({"name": "arithmetic", "max_turns": 3}, "test.yaml")
+        self.tools, self.system_prompt = self.inner.tools, self.inner.system_prompt
+        _Stubborn.made += 1
+        self.step_s = 2.0 if _Stubborn.made % 3 == 0 else 0.05
+
+    async def reset(self, seed: int | None = None, options: dict[str, Any] | None = None):  # type: ignore[no-untyped-def]
+        return await self.inner.reset(seed, options)
+
+    async def step(self, action: str):  # type: ignore[no-untyped-def]
+        try:
+            await asyncio.sleep(self.step_s)
+        except asyncio.CancelledError:
+            _Stubborn.swallowed += 1
+        return await self.inner.step(action)
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
+def test_an_episode_that_outlives_its_cancellation_finishes_nothing(
+    engines: list[EngineProc], tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """An update restarts trajectories past the bound; an episode whose cancellation was
+    swallowed goes on, and must not finish (or count tokens for) the trajectory restarted
+    in its place: every batch stays whole and the ledger's books balance."""
+    from pearl.engines.reference.tokenizer import load
+    from pearl.router.router import Router
+
+    async def run() -> tuple[int, int]:
+        router = Router()
+        for i, e in enumerate(engines[:2]):
+            router.table.serve(f"e{i}", e.url, Role.COLOCATED)
+        manager = await RolloutManager.open(
+            router, _Stubborn, load(tiny_model_dir), CONFIG, tmp_path
+        )
+        restarted = 0
+        try:
+            manager.start()
+            seen: set[str] = set()
+            for _ in range(6):
+                batch = await asyncio.wait_for(manager.next_batch(), 120)
+                _check_batch(batch, seen)
+                outcome = await manager.updated(batch.policy_version + 1)
+                restarted += len(outcome.restarted) - outcome.taken_back  # running ones
+                manager.ledger.check()
+            assert not [t for t in manager.finished.values() if t.end_reason == "agent_error"]
+        finally:
+            await manager.close()
+            await router.aclose()
+        return restarted, _Stubborn.swallowed
+
+    restarted, swallowed = asyncio.run(run())
+    assert restarted > 0 and swallowed > 0, (restarted, swallowed)  # the case happened
