@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pearl.io.documents import InputError
+from pearl.io.documents import InputError, parse
 from pearl.io.extras import require
 
 
@@ -75,11 +75,15 @@ def run(args: argparse.Namespace) -> int:
         changes["model"] = config.model.model_copy(update={"seed": args.seed})
     if args.cluster is not None:
         changes["cluster"] = args.cluster
-    config = RunConfig.model_validate({**config.model_dump(), **changes})
+    where = args.config or "<command line>"
+    config = parse(RunConfig, {**config.model_dump(), **changes}, where)
     if args.cluster == "slurm":  # (a file that says so was checked as it loaded)
         from pearl.run.config import cluster_profile
 
         cluster_profile(config, base, Path(args.config) if args.config else None)
+    if config.cluster == "slurm" and not args.print_config:
+        for module in ("mpi4py", "submitit"):  # the agents' control plane, Slurm's jobs
+            require(module)
     if args.submit:
         return submit(args, config)
     if args.print_config:

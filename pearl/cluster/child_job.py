@@ -22,6 +22,8 @@ import submitit
 from submitit.helpers import Checkpointable, DelayedSubmission
 from submitit.slurm.slurm import _make_sbatch_string
 
+REQUEUE_MARGIN_S = 20.0  # of the warning, left for submitit's requeue after the child stops
+
 
 class ChildJob(Checkpointable):
     """``pearl ARGV`` under submitit, requeued with the same arguments (module docstring)."""
@@ -90,6 +92,8 @@ def sbatch_script(spec: JobSpec) -> str:
 
 
 def submit(spec: JobSpec, *argv: str) -> str:
-    """Submit ``pearl ARGV`` as ``spec``'s job; its Slurm job id."""
-    job = executor(spec).submit(ChildJob(), *argv)
+    """Submit ``pearl ARGV`` as ``spec``'s job; its Slurm job id. The child has the
+    warning's time less a margin to stop, so that the requeue lands before the limit."""
+    stop_wait_s = max(1.0, spec.signal_delay_s - REQUEUE_MARGIN_S)
+    job = executor(spec).submit(ChildJob(stop_wait_s), *argv)
     return str(job.job_id)

@@ -205,7 +205,7 @@ class SlurmJob(Frozen):
     cpus_per_task: PosInt = Field(2, description="CPUs of the run's job.")
     time_limit_min: PosInt = Field(1440, description="Time limit of one incarnation.")
     signal_delay_s: PosInt = Field(
-        60,
+        120,
         description="Slurm's warning (USR2) this long before the time limit: the run "
         "stops cleanly, keeping its elastic jobs, and is requeued.",
     )

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -158,6 +159,7 @@ async def coordinator_running(
     trainer: Any,
     weights: Weights,
     manager: RolloutManager,
+    base: Path | None = None,
 ) -> AsyncIterator[TrainerSlot]:
     """The coordinator deciding over this machine's slots (the module docstring); yields
     the trainer's devices, for the trainer's loop (``pearl.trainer.loop.train``). The
@@ -169,19 +171,23 @@ async def coordinator_running(
     clock = manager.now_s
     c, e = config.coordinator, config.engines
     slurm = config.cluster == "slurm"
+    base = base or Path.cwd()  # the folder the config's relative paths start from
     cfg = coordinator_config(config, run_dir, model)
-    profile = cluster_profile(config, Path.cwd()) if slurm else load_profile(c.profile)
+    profile = cluster_profile(config, base) if slurm else load_profile(c.profile)
     slots = [f"{TRAINER_NODE}/{i}" for i in range(c.trainer_slots)]
     slots += [f"{ROLLOUT_NODE}/{i}" for i in range(c.rollout_slots)]
     if not slurm:  # LocalBackend's grants; on Slurm, the elastic nodes' agents run theirs
         slots += [f"{LOCAL_NODE}/{i}" for i in range(c.elastic_slots)]
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    extra = ("--max-num-seqs", str(e.max_num_seqs))
+    extra: tuple[str, ...] = ("--max-num-seqs", str(e.max_num_seqs))
+    if slurm:  # reachable from the elastic nodes' engines (a disaggregated pair's KV)
+        extra = ("--host", "{host}", *extra)
     engines = LocalEngines(
         {"*": engine_argv(model, e.threads, extra)},
         {s: i for i, s in enumerate(slots)},
         log_dir=str(logs),
+        host=socket.gethostname() if slurm else "127.0.0.1",
         weights=weights,
         cores=slot_cores(slots),
     )
@@ -322,16 +328,20 @@ def _opened(
         windows = compressed_windows(c.elastic_time_scale)
         inner = LocalBackend(run_dir / "elastic", signal_delay_s=1)
         backend = ScheduledBackend(inner, windows, offset_s=c.elastic_offset_s)
-    co = Coordinator.open(
-        cfg,
-        profile,
-        run_dir,
-        backend,
-        clock,
-        workload_file(run_dir / "workload.json"),
-        control,
-        status,
-    )
+    try:
+        co = Coordinator.open(
+            cfg,
+            profile,
+            run_dir,
+            backend,
+            clock,
+            workload_file(run_dir / "workload.json"),
+            control,
+            status,
+        )
+    except BaseException:  # no control plane (MPI port, threads, port file) outlives it
+        control.close(15.0, restarting=slurm)
+        raise
     return co, control, backend, slot
 
 

@@ -41,7 +41,6 @@ from pathlib import Path
 
 from pearl.agents.manager import RUN_LOG, RolloutManager
 from pearl.bench.engine_proc import EngineProcess
-from pearl.cluster.local_backend import LOCAL_NODE
 from pearl.control.workers import free_port
 from pearl.core.roles import Phase, Role
 from pearl.engines.reference.tiny import init_model
@@ -50,7 +49,7 @@ from pearl.envs import registry
 from pearl.router.router import Router
 from pearl.run.config import RunConfig
 from pearl.run.control import TrainerSlot
-from pearl.run.coordinated import coordinator_running, until_serving
+from pearl.run.coordinated import ROLLOUT_NODE, TRAINER_NODE, coordinator_running, until_serving
 from pearl.run.progress import RunDisplay, StepReport
 from pearl.runlog.jsonl import read_records
 from pearl.runlog.schema import RunEnded, TrainStep
@@ -111,10 +110,15 @@ def pd_label(router: Router) -> str:
     return f"{counts[Role.COLOCATED]}C"
 
 
-def serving_on(router: Router, node: str) -> int:
-    """Engines serving on ``node``'s slots (the coordinator names its engines
-    ``e-NODE-INDEX``; ``localhost``'s are elastic)."""
-    return sum(i.accepting and i.worker_id.startswith(f"e-{node}-") for i in router.table)
+def elastic_serving(router: Router) -> int:
+    """Engines serving on elastic devices: off the base job's nodes (the coordinator names
+    its engines ``e-NODE-INDEX``; ``localhost``'s on one machine, a Slurm node's on
+    Slurm). A run without the coordinator has none (its engines are ``eN``)."""
+    base = tuple(f"e-{node}-" for node in (TRAINER_NODE, ROLLOUT_NODE))
+    return sum(
+        i.accepting and i.worker_id.startswith("e-") and not i.worker_id.startswith(base)
+        for i in router.table
+    )
 
 
 @contextlib.asynccontextmanager
@@ -248,6 +252,7 @@ async def run_local(config: RunConfig, base: Path, display: RunDisplay | None = 
                         trainer,
                         lambda: latest[-1] if latest else None,
                         manager,
+                        base,
                     )
                 )
                 await until_serving(router)
@@ -413,7 +418,7 @@ async def _train(
             sync_s=sync_s,
             pd=pd_label(router),
             lent=(devices.offloads - last_offloads) if devices else 0,
-            elastic=serving_on(router, LOCAL_NODE),
+            elastic=elastic_serving(router),
         )
         last_s, last_tokens = now_s, manager.generated_tokens
         last_offloads = devices.offloads if devices else 0
@@ -447,6 +452,8 @@ def run(config: RunConfig, base: Path, show: bool = True) -> RunResult:
         received: list[signal.Signals] = []
 
         def stop(sig: signal.Signals) -> None:
+            if received:  # a second signal must not cut the first one's clean stop short
+                return
             received.append(sig)
             task.cancel()
 

@@ -101,7 +101,7 @@ def test_the_runs_job_is_the_configs_and_runs_pearl_run_on_slurm(tmp_path: Path)
         "#SBATCH --partition=train",
         "#SBATCH --gres=gpu:h800:3",
         "#SBATCH --requeue",
-        "#SBATCH --signal=USR2@60",
+        "#SBATCH --signal=USR2@120",
         "#SBATCH --time=60",
     ):
         assert line in script, script
@@ -128,3 +128,20 @@ def test_the_elastic_agents_start_the_runs_engines_on_their_nodes_name(tmp_path:
     assert agents.engine_host == "node" and agents.engine.model == str(tmp_path / "model")
     ((role, command),) = [c.split("=", 1) for c in agents.engine_commands("/py")]
     assert role == "*" and "--host {host}" in command and "--max-num-seqs 64" in command
+
+
+def test_cluster_slurm_on_the_command_line_is_checked_as_the_file_would_be(
+    tmp_path: Path,
+) -> None:
+    """``--cluster slurm`` over a local config: the same one-line errors, exit 2."""
+    path = tmp_path / "local.yaml"
+    path.write_text("coordinator: {enabled: false}\n", encoding="utf-8")
+    done = subprocess.run(
+        [sys.executable, "-m", "pearl.cli.main", "run", str(path), "--cluster", "slurm"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert f"{path}: cluster: slurm needs coordinator.enabled" in line

@@ -83,7 +83,8 @@ def test_pearl_run_sbatch_trains_and_requeues_itself_on_the_warning(
     """``sbatch slurm/pearl-run.sbatch CONFIG``: the run trains in its job; Slurm's warning
     (USR2) after its first update stops it cleanly and requeues the job; the next
     incarnation resumes and trains the rest, every update once."""
-    pytest.importorskip("torch")
+    for module in ("torch", "mpi4py", "submitit"):
+        pytest.importorskip(module)
     config = tmp_path / "run.yaml"
     config.write_text(
         yaml.safe_dump(
