@@ -49,7 +49,7 @@ from typing import Any
 
 from pearl.cluster.local_backend import LOCAL_NODE
 from pearl.control.coordinator_side import CommandResult, CommandStatus
-from pearl.control.execute import PlanResult, PlanStepResult, execute_plan
+from pearl.control.execute import PlanResult, PlanStepResult, StepListener, execute_plan
 from pearl.control.messages import Command
 from pearl.control.workers import ProcessWorkers, WorkerError, Workers, after
 from pearl.coordinator.control_plane import plan_outcome
@@ -387,6 +387,24 @@ class RouterListener:
         self._on_loop(lambda: self.steps.drain_undone(step.worker_id, result.ok))
 
 
+def walk(
+    server: Any,
+    plan: TransitionPlan,
+    listener: StepListener | None,
+    min_deadline_s: float,
+    deadline_factor: float,
+) -> PlanResult:
+    """``execute_plan`` over a server that has the part of ``ControlServer`` it uses
+    (``LocalServer``, ``pearl.run.split_control.SplitServer``)."""
+    return execute_plan(
+        server,
+        plan,
+        deadline_factor=deadline_factor,
+        min_deadline_s=min_deadline_s,
+        listener=listener,
+    )
+
+
 class LocalControl:
     """The coordinator's ``ControlPlane`` on this machine (the module docstring)."""
 
@@ -404,13 +422,7 @@ class LocalControl:
         self.results: list[PlanResult] = []
 
     def execute(self, plan: TransitionPlan) -> PlanOutcome:
-        result = execute_plan(
-            self.server,  # type: ignore[arg-type]  # the part of ControlServer it uses
-            plan,
-            deadline_factor=self.deadline_factor,
-            min_deadline_s=self.min_deadline_s,
-            listener=self.listener,
-        )
+        result = walk(self.server, plan, self.listener, self.min_deadline_s, self.deadline_factor)
         self.results.append(result)
         return plan_outcome(result)
 

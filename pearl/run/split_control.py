@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pearl.control.coordinator_side import CommandResult, CommandStatus, ControlServer
-from pearl.control.execute import PlanStepResult, StepListener, execute_plan
+from pearl.control.execute import PlanStepResult, StepListener
 from pearl.control.messages import Command
 from pearl.control.workers import WorkerError
 from pearl.coordinator.control_plane import MpiControl, plan_outcome
@@ -38,7 +38,7 @@ from pearl.coordinator.reconcile import AgentEvent
 from pearl.core.execution import PlanOutcome
 from pearl.core.plan import Action, PlanStep, TransitionPlan
 from pearl.engines.client import EngineError, call
-from pearl.run.control import LocalControl, LocalServer, Weights
+from pearl.run.control import LocalControl, LocalServer, Weights, walk
 
 log = logging.getLogger(__name__)
 RELOADED_ON = frozenset({Action.START, Action.WAKE})
@@ -191,13 +191,7 @@ class SplitControl:
         self.min_deadline_s, self.deadline_factor = min_deadline_s, deadline_factor
 
     def execute(self, plan: TransitionPlan) -> PlanOutcome:
-        result = execute_plan(
-            self.server,  # type: ignore[arg-type]  # the part of ControlServer it uses
-            plan,
-            deadline_factor=self.deadline_factor,
-            min_deadline_s=self.min_deadline_s,
-            listener=self.listener,
-        )
+        result = walk(self.server, plan, self.listener, self.min_deadline_s, self.deadline_factor)
         return plan_outcome(result)
 
     def events(self) -> list[AgentEvent]:
