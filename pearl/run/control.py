@@ -59,6 +59,7 @@ from pearl.core.observation import TrainerPhase, TrainerStatus
 from pearl.core.plan import Action, PlanStep, TransitionPlan
 from pearl.core.roles import Role, TransitionError
 from pearl.engines.backend import reference_serve_argv
+from pearl.engines.client import EngineError, call
 from pearl.router.plan_steps import PlanSteps
 from pearl.trainer.remote import TrainerLost
 
@@ -125,16 +126,25 @@ class LocalEngines(ProcessWorkers):
             self._reload(cmd.worker_id, cmd.deadline_s)
 
     def _reload(self, worker_id: str, timeout_s: float) -> None:
-        latest = self.weights()
-        if latest is None:
-            return
-        path, version = latest
-        self._engine(
-            worker_id,
-            "POST /collective_rpc",
+        reload_latest(self.weights, worker_id, self.base_url(worker_id), timeout_s)
+
+
+def reload_latest(weights: Weights, worker_id: str, url: str, timeout_s: float) -> None:
+    """The trainer's latest published weights (``weights()``) into the engine at ``url``;
+    none published: nothing. An error answer, or none, is a ``WorkerError`` naming the
+    worker and the route."""
+    latest = weights()
+    if latest is None:
+        return
+    path, version = latest
+    try:
+        call(
             lambda c: c.reload_weights(weights_path=str(path), weight_version=version),
-            timeout_s,
+            url,
+            max(0.05, timeout_s),
         )
+    except EngineError as err:
+        raise WorkerError(f"{worker_id}: POST /collective_rpc: {err}") from None
 
 
 class TrainerSlot:

@@ -37,8 +37,7 @@ from pearl.coordinator.control_plane import MpiControl, plan_outcome
 from pearl.coordinator.reconcile import AgentEvent
 from pearl.core.execution import PlanOutcome
 from pearl.core.plan import Action, PlanStep, TransitionPlan
-from pearl.engines.client import EngineError, call
-from pearl.run.control import LocalControl, LocalServer, Weights, walk
+from pearl.run.control import LocalControl, LocalServer, Weights, reload_latest, walk
 
 log = logging.getLogger(__name__)
 RELOADED_ON = frozenset({Action.START, Action.WAKE})
@@ -60,22 +59,13 @@ class ElasticEngines:
 
     def reload(self, worker_id: str) -> None:
         """The latest published weights into ``worker_id`` (none published: nothing)."""
-        latest = self.weights()
         with self._lock:
             url = self.urls.get(worker_id)
-        if latest is None:
-            return
         if url is None:
+            if self.weights() is None:
+                return
             raise WorkerError(f"{worker_id}: no URL known (not started by this run)")
-        path, version = latest
-        try:
-            call(
-                lambda c: c.reload_weights(weights_path=str(path), weight_version=version),
-                url,
-                self.timeout_s,
-            )
-        except EngineError as err:
-            raise WorkerError(f"{worker_id}: POST /collective_rpc reload_weights: {err}") from err
+        reload_latest(self.weights, worker_id, url, self.timeout_s)
 
     # the ``Workers`` of a sync_weights step on an elastic node (LocalServer runs it)
     def execute(self, cmd: Command) -> None:
@@ -90,7 +80,8 @@ class ElasticEngines:
         return ()
 
     def engine_url(self, worker_id: str) -> str | None:
-        return self.urls.get(worker_id)
+        with self._lock:
+            return self.urls.get(worker_id)
 
 
 class ElasticWeights:
