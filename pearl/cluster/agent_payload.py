@@ -13,7 +13,11 @@ SIGTERM are forwarded to the agent, which reports, drains its workers and discon
 payload then returns the agent's exit status. When the coordinator goes silent (killed or
 requeued, or not reachable: the agent exits ``EXIT_LOST``), the payload keeps the allocation and
 starts a new agent as soon as the next coordinator writes a new port file (within
-``reconnect_s``), so elastic allocations outlive a coordinator's restart. It replaces
+``reconnect_s``), so elastic allocations outlive a coordinator's restart. An agent that
+dies otherwise (``kill -9``, a crash: any status but 0, 2 and ``EXIT_LOST``) is started
+again at once, at most ``max_agent_restarts`` times: it joins the same coordinator with no
+engines (its engines died with it), which frees their GPUs in the state, and the
+allocation is kept. It replaces
 submitit's USR2 handler, which would requeue the allocation: an elastic allocation that
 is taken back is not requeued.
 """
@@ -30,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
-from pearl.control.agent import EXIT_LOST, agent_command
+from pearl.control.agent import EXIT_LOST, EXIT_OK, EXIT_REFUSED, agent_command
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,7 @@ class AgentPayload:
     grace_s: float = 30.0
     reconnect_s: float = 600.0  # how long to wait for a requeued coordinator
     engine_host: str = "loopback"  # or "node": engines on the node's name, for other nodes
+    max_agent_restarts: int = 3  # of an agent that died (not one the coordinator lost)
 
     def command(self, node: str, gpus: str, job_id: str | None = None) -> list[str]:
         logs = Path(self.run_dir) / "logs"
@@ -73,6 +78,7 @@ class AgentPayload:
         for sig in (signal.SIGUSR2, signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, forward)
         port_file = Path(self.run_dir) / "control" / "port.json"
+        restarts = 0
         while True:
             if signalled:  # told to go before (or while) starting an agent
                 return 0
@@ -81,7 +87,19 @@ class AgentPayload:
             if signalled:  # arrived while starting it: pass it on now
                 procs[-1].send_signal(signalled[-1])
             code = procs[-1].wait()
-            if code != EXIT_LOST or signalled:
+            if signalled:
+                return code
+            died = code not in (EXIT_OK, EXIT_REFUSED, EXIT_LOST)
+            if died and restarts < self.max_agent_restarts:
+                restarts += 1
+                print(
+                    f"agent payload: the agent on {node} died (status {code}): starting "
+                    f"another (restart {restarts} of {self.max_agent_restarts})",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                continue
+            if code != EXIT_LOST:
                 return code
             # The coordinator went silent (killed, or requeued): hold the allocation and
             # connect to the next incarnation once it writes a new port file.

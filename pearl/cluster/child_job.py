@@ -7,6 +7,12 @@ The job runs ``python -m pearl.cli.main ARGV`` as a child process. When Slurm wa
 ``checkpoint``: the child is told (USR2: it stops cleanly, keeping its elastic jobs) and
 given ``stop_wait_s`` to do so, then the job is requeued with the same arguments and the
 next incarnation resumes from the run directory (journal, checkpoints, spool).
+
+A child killed by a signal it could not handle (``kill -9``, the kernel's OOM killer, a
+crash) is started again in the same allocation, from the same run directory, at most
+``max_restarts`` times per incarnation: the run resumes from its books as after a requeue,
+without waiting for Slurm. A child that exits by itself (0, or its own status for a
+failure, or ``128+N`` for a signal it handled) ends the job with that status.
 """
 
 from __future__ import annotations
@@ -28,26 +34,41 @@ REQUEUE_MARGIN_S = 20.0  # of the warning, left for submitit's requeue after the
 class ChildJob(Checkpointable):
     """``pearl ARGV`` under submitit, requeued with the same arguments (module docstring)."""
 
-    def __init__(self, stop_wait_s: float = 60.0) -> None:
-        self.stop_wait_s = stop_wait_s
+    def __init__(self, stop_wait_s: float = 60.0, max_restarts: int = 3) -> None:
+        self.stop_wait_s, self.max_restarts = stop_wait_s, max_restarts
         self._child: subprocess.Popen[bytes] | None = None
+        self._stopping = False  # checkpoint() told the child to stop
+
+    def command(self, *argv: str) -> list[str]:
+        return [sys.executable, "-m", "pearl.cli.main", *argv]
 
     def __call__(self, *argv: str) -> int:
-        self._child = subprocess.Popen([sys.executable, "-m", "pearl.cli.main", *argv])
-        code = self._child.wait()
+        for restart in range(self.max_restarts + 1):
+            self._child = subprocess.Popen(self.command(*argv))
+            code = self._child.wait()
+            if code >= 0 or self._stopping or restart == self.max_restarts:
+                break
+            why = signal.Signals(-code).name if -code in signal.valid_signals() else -code
+            print(
+                f"pearl {argv[0]} killed by {why}: starting it again from its run directory "
+                f"(restart {restart + 1} of {self.max_restarts})",
+                file=sys.stderr,
+                flush=True,
+            )
         if code != 0:
             raise RuntimeError(f"pearl {argv[0]} exited with status {code}")
         return code
 
     def checkpoint(self, *argv: str) -> DelayedSubmission:
         child = self._child
+        self._stopping = True
         if child is not None and child.poll() is None:
             child.send_signal(signal.SIGUSR2)
             try:
                 child.wait(timeout=self.stop_wait_s)
             except subprocess.TimeoutExpired:
                 child.kill()
-        return DelayedSubmission(ChildJob(self.stop_wait_s), *argv)
+        return DelayedSubmission(ChildJob(self.stop_wait_s, self.max_restarts), *argv)
 
 
 @dataclass(frozen=True)

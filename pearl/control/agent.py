@@ -5,7 +5,10 @@ It waits for the port file in the run directory, knocks (:mod:`pearl.control.ren
 Then one loop on the main thread (the only thread that calls MPI): receive commands and run
 them on a thread pool against its :class:`~pearl.control.workers.Workers`, send their acks
 (that of a start or a wake with the engine's URL, for the router), send a heartbeat every
-``heartbeat_s``, and watch the coordinator's heartbeats.
+``heartbeat_s``, and watch the coordinator's heartbeats. With each heartbeat it looks for
+workers that died by themselves (``Workers.exited``: an engine killed or crashed) and
+reports them (``WorkersExited``): the coordinator takes them out of its state and the
+router, and the next plan may start others on their GPUs.
 
 Preemption: SIGTERM or SIGUSR2 (Slurm's ``--signal``) -> ``Preempted(grace_s)``, stop the
 workers within part of the grace period, ``Bye("preempted")``, drop the intercommunicator,
@@ -38,6 +41,7 @@ from pearl.control.messages import (
     Preempted,
     ProtocolError,
     Welcome,
+    WorkersExited,
 )
 from pearl.control.mpi import find_mpiexec, load_mpi
 from pearl.control.portfile import wait_port_file
@@ -194,6 +198,7 @@ class Agent:
             if welcomed and now - last_hb_sent_s >= hb_s:
                 ch.send(Heartbeat(seq=seq, t=time.time()))
                 last_hb_sent_s, seq = now, seq + 1
+                self._report_exited(ch)
             ch.progress()
             if ch.error or now - last_seen_s > hb_s * missed + (0 if welcomed else 10):
                 why = ch.error or f"no message from the coordinator for {now - last_seen_s:.1f} s"
@@ -202,6 +207,13 @@ class Agent:
                 return EXIT_LOST
             if not busy:
                 time.sleep(0.0005)
+
+    def _report_exited(self, ch: Channel) -> None:
+        exited = self.workers.exited()
+        if exited:
+            codes = ", ".join(f"{w} ({c})" for w, c in sorted(exited.items()))
+            self._say(f"workers exited by themselves: {codes}")
+            ch.send(WorkersExited(exit_codes=exited))
 
     def _preempted(self, ch: Channel, signame: str) -> int:
         t0 = time.monotonic()

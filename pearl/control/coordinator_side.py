@@ -40,7 +40,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from pearl.control.channel import Channel
 from pearl.control.messages import (
@@ -53,6 +53,7 @@ from pearl.control.messages import (
     Preempted,
     ProtocolError,
     Welcome,
+    WorkersExited,
 )
 from pearl.control.mpi import load_mpi
 from pearl.control.portfile import PortInfo, new_token, remove_port_file, write_port_file
@@ -90,6 +91,16 @@ class AgentInfo:
     last_seen_s: float = 0.0  # when its last message came
     grace_s: float | None = None  # of its preemption (a duration)
     workers: tuple[str, ...] = ()  # the workers it reported when it joined
+
+
+class ServerEvent(NamedTuple):
+    """One thing that happened to an agent: ``kind`` is joined, preempted, exited (some of
+    its workers: ``workers``), gone, dead or refused."""
+
+    kind: str
+    agent_id: str
+    detail: str
+    workers: tuple[str, ...] = ()
 
 
 @dataclass
@@ -148,7 +159,7 @@ class ControlServer:
         self._unauth: list[_Conn] = []
         self.agents: dict[str, AgentInfo] = {}
         self._pending: dict[str, _Pending] = {}
-        self._events: list[tuple[str, str, str]] = []
+        self._events: list[ServerEvent] = []
         self._accepting_since_s: float | None = None
         self._stop = threading.Event()
         self._ids = itertools.count()
@@ -221,8 +232,8 @@ class ControlServer:
                 self._lock.wait(left)
             return {a: i for a, i in self.agents.items() if i.state is AgentState.ALIVE}
 
-    def events(self) -> list[tuple[str, str, str]]:
-        """Agent events since the last call: (joined|preempted|gone|dead|refused, id, detail)."""
+    def events(self) -> list[ServerEvent]:
+        """Agent events since the last call."""
         with self._lock:
             out, self._events = self._events, []
             return out
@@ -407,6 +418,9 @@ class ControlServer:
             elif isinstance(msg, Preempted):
                 info.grace_s = msg.grace_s
                 self._event("preempted", info.agent_id, f"grace {msg.grace_s} s")
+            elif isinstance(msg, WorkersExited):
+                codes = ", ".join(f"{w} ({c})" for w, c in sorted(msg.exit_codes.items()))
+                self._event("exited", info.agent_id, codes, tuple(sorted(msg.exit_codes)))
             elif isinstance(msg, Bye):
                 self._drop(conn, AgentState.GONE, msg.reason or "bye")
 
@@ -470,9 +484,9 @@ class ControlServer:
             self._event(state.value, aid, reason)
             self._lock.notify_all()
 
-    def _event(self, kind: str, agent_id: str, detail: str) -> None:
+    def _event(self, kind: str, agent_id: str, detail: str, workers: tuple[str, ...] = ()) -> None:
         log.info("agent %s %s: %s", agent_id, kind, detail)
-        self._events.append((kind, agent_id, detail))
+        self._events.append(ServerEvent(kind, agent_id, detail, workers))
         self._lock.notify_all()
 
     def _heartbeats(self) -> None:

@@ -12,8 +12,10 @@ reads a sender's message without it as before, and both ends of a run come from 
 install (allocations start their agents from it), so a receiver that does not know the
 field is an install mixed mid-run, which the strict schema refuses naming the field.
 
-Direction: ``Hello``, ``Ack``, ``Preempted`` go agent -> coordinator; ``Welcome``,
-``Command`` coordinator -> agent; ``Heartbeat`` and ``Bye`` both ways.
+A message type added (``WorkersExited``) keeps the version for the same reason.
+
+Direction: ``Hello``, ``Ack``, ``Preempted``, ``WorkersExited`` go agent -> coordinator;
+``Welcome``, ``Command`` coordinator -> agent; ``Heartbeat`` and ``Bye`` both ways.
 
 A command's ``action`` is a :class:`~pearl.core.plan.Action` (the core's own members, so
 the agent speaks the plan's vocabulary) or a :class:`ControlAction`, the few actions only
@@ -146,6 +148,14 @@ class Preempted(_Msg):
     signal: str = ""
 
 
+class WorkersExited(_Msg):
+    """Workers of the agent's node whose processes ended by themselves, with their exit
+    statuses (a negative one: the signal that killed it)."""
+
+    type: Literal["workers_exited"] = "workers_exited"
+    exit_codes: dict[str, int] = Field(min_length=1)  # worker id -> its exit status
+
+
 class Bye(_Msg):
     type: Literal["bye"] = "bye"
     reason: str = ""
@@ -155,10 +165,20 @@ class Bye(_Msg):
 
 
 Message = Annotated[
-    Hello | Welcome | Heartbeat | Command | Ack | Preempted | Bye, Field(discriminator="type")
+    Hello | Welcome | Heartbeat | Command | Ack | Preempted | WorkersExited | Bye,
+    Field(discriminator="type"),
 ]
 _ADAPTER: TypeAdapter[Any] = TypeAdapter(Message)
-MESSAGE_TYPES = ("hello", "welcome", "heartbeat", "command", "ack", "preempted", "bye")
+MESSAGE_TYPES = (
+    "hello",
+    "welcome",
+    "heartbeat",
+    "command",
+    "ack",
+    "preempted",
+    "workers_exited",
+    "bye",
+)
 
 
 def encode(msg: BaseModel) -> bytes:

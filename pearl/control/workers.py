@@ -35,7 +35,10 @@ that a worker is ``starting`` while its start waits for ``/health`` and ``stoppi
 its process is stopped. A worker still starting cannot be drained or switched: the table
 has no such edge. ``engine_url`` is a worker's base URL (``http://HOST:PORT``, ``host``
 127.0.0.1 unless the agent is given its node's name: ``pearl agent --engine-host``), which
-the agent's ack of a start or a wake reports for the router.
+the agent's ack of a start or a wake reports for the router. A worker whose process ends
+by itself (a crash, an OOM kill, ``kill -9``) is found by ``exited`` (polled by the agent
+every heartbeat) and forgotten: the agent reports it (``WorkersExited``) and the coordinator
+takes it out of its state and of the router.
 """
 
 from __future__ import annotations
@@ -79,6 +82,11 @@ class Workers(Protocol):
     def engine_url(self, worker_id: str) -> str | None:
         """The base URL of the worker's HTTP server, as the agent reaches it (the one its
         ``Ack`` of a start or wake reports); None without one."""
+        ...
+
+    def exited(self) -> dict[str, int]:
+        """The workers that have exited by themselves since the last call (a crash, a
+        ``kill -9``), each with its exit status, forgotten here: the agent reports them."""
         ...
 
 
@@ -177,6 +185,9 @@ class NullWorkers:
     def engine_url(self, worker_id: str) -> str | None:
         return None  # nothing runs
 
+    def exited(self) -> dict[str, int]:
+        return {}  # nothing runs, so nothing dies
+
 
 def free_ports(n: int) -> list[int]:
     """``n`` distinct ports free on this host now (held open together while chosen)."""
@@ -236,6 +247,19 @@ class ProcessWorkers:
             return call(op, self.base_url(worker_id), max(0.05, timeout_s))
         except EngineError as err:
             raise WorkerError(f"{worker_id}: {route}: {err}") from None
+
+    def exited(self) -> dict[str, int]:
+        """Ready (or asleep, draining, switching) workers whose process has ended without a
+        stop; one that exits while it starts fails its start instead."""
+        out: dict[str, int] = {}
+        for wid, p in list(self.procs.items()):
+            code = p.proc.poll()
+            if code is None or p.state.phase is Phase.STARTING or self.procs.get(wid) is not p:
+                continue
+            del self.procs[wid]
+            p.state = replace(p.state, phase=Phase.GONE)
+            out[wid] = code
+        return out
 
     def healthy(self, worker_id: str, timeout: float = 1.0) -> bool:
         return call(lambda c: c.health(), self.base_url(worker_id), max(0.05, timeout))

@@ -51,12 +51,14 @@ class MpiControl:
         events = self.server.events()
         known = {a.agent_id: a for a in self.server.agents_snapshot()}  # after: joins included
         out = []
-        for kind, agent_id, detail in events:
-            a = known.get(agent_id)  # None: refused before it said who it is
+        for ev in events:
+            a = known.get(ev.agent_id)  # None: refused before it said who it is
+            if a is None:
+                out.append(AgentEvent(ev.kind, ev.agent_id, "", ev.detail))
+                continue
+            workers = ev.workers if ev.kind == "exited" else a.workers
             out.append(
-                AgentEvent(kind, agent_id, "", detail)
-                if a is None
-                else AgentEvent(kind, agent_id, a.node, detail, a.workers, a.grace_s, a.job_id)
+                AgentEvent(ev.kind, ev.agent_id, a.node, ev.detail, workers, a.grace_s, a.job_id)
             )
         return out
 
@@ -71,6 +73,10 @@ class MpiControl:
             }
             for a in self.server.agents_snapshot()
         ]
+
+    def workers_lost(self, worker_ids: tuple[str, ...], reason: str) -> None:
+        if self.router is not None:
+            self.router.workers_lost(worker_ids, reason)
 
     def close(self, restarting: bool = False) -> None:
         """Close the server; ``restarting``: the agents wait for the next incarnation."""

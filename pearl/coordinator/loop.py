@@ -34,7 +34,7 @@ sleeps except ``run``.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -55,6 +55,7 @@ from pearl.core.observation import (
     Event,
     Observation,
     TrainerStatus,
+    WorkersLost,
 )
 from pearl.core.plan import TransitionPlan
 from pearl.core.profile import RuntimeProfile
@@ -78,6 +79,11 @@ class ControlPlane(Protocol):
 
     def agents(self) -> list[dict[str, Any]]:
         """The agents known: id, node, GPU ids, state."""
+        ...
+
+    def workers_lost(self, worker_ids: tuple[str, ...], reason: str) -> None:
+        """The state dropped these workers (died, or their agent left): the router that
+        routes to them forgets them."""
         ...
 
 
@@ -234,6 +240,7 @@ class Coordinator:
             trainer=self.trainer(),
             workload=self.workload(),
         )
+        self._forget_lost(obs.events)
         self._write_agents()  # before a plan that may take a while, and after it
         profile = self.profile  # once: another thread may replace it (pearl run's calibration)
         d = decide(self.state, obs, self.config.policy, profile, now_s)
@@ -330,6 +337,15 @@ class Coordinator:
             return self.backend.job_id(allocation_id)
         except KeyError:
             return None
+
+    def _forget_lost(self, events: Iterable[Event]) -> None:
+        """The router forgets the workers the state drops: their engines died, their
+        agent left, their node went."""
+        if self.control is None:
+            return
+        for ev in events:
+            if isinstance(ev, WorkersLost):
+                self.control.workers_lost(ev.worker_ids, ev.reason)
 
     def _agent_events(self, now_s: float) -> list[Event]:
         if self.control is None:

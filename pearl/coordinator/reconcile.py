@@ -7,7 +7,8 @@ Three rules keep the state true to what runs on the nodes:
   the workers it runs, and every worker the state places on its node that it does not
   report is gone (after a restart, the agent's or the coordinator's, the engines were
   stopped). Either way the state drops them (``WorkersLost``) and their GPUs are free for
-  the next plan.
+  the next plan. An agent that reports workers that died by themselves (``exited``: an
+  engine killed or crashed) takes those out the same way.
 - an agent that reports a preemption (Slurm's signal reached it before the backend's next
   poll saw the moved end time) makes its allocation ``preempting`` now, with the agent's
   grace period as the deadline: the core moves work off it without waiting for the poll.
@@ -40,8 +41,9 @@ LEFT = frozenset({"dead", "gone"})
 
 @dataclass(frozen=True)
 class AgentEvent:
-    """One thing that happened to an agent: ``kind`` is joined, preempted, gone, dead or
-    refused; ``workers`` are those it reported when it joined."""
+    """One thing that happened to an agent: ``kind`` is joined, preempted, exited, gone,
+    dead or refused; ``workers`` are those it reported when it joined (those that died, for
+    ``exited``)."""
 
     kind: str
     agent_id: str
@@ -73,6 +75,10 @@ def agent_observations(
         elif ev.kind == "joined":
             keep = frozenset(ev.workers)
             reason = f"agent {ev.agent_id} joined without them"
+        elif ev.kind == "exited":
+            died = frozenset(ev.workers)
+            keep = frozenset(w.worker_id for w in state.workers if w.worker_id not in died)
+            reason = f"exited on {ev.node}: {ev.detail}"
         else:
             continue
         gone = tuple(

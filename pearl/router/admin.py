@@ -6,6 +6,9 @@
   such an update is a 400 in vLLM's error shape, ``param`` naming the field (the front's
   handler for the fields' own checks; here for an update that cannot be applied, such as
   the end of a start without the engine's URL).
+- ``POST /pearl/workers_lost``: ``{worker_ids: [...], reason}``, workers the coordinator's
+  state dropped (an engine that died, an agent gone): out of the table at once; 200
+  ``{"removed": [...]}`` (those the table had).
 - ``GET /pearl/instances``: the table, ``{"instances": [{worker_id, url, role, phase,
   in_flight}, ...]}``.
 """
@@ -16,7 +19,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
 from pearl.engines.protocol import error_body
-from pearl.router.plan_steps import PlanSteps, StepUpdate
+from pearl.router.plan_steps import LostWorkers, PlanSteps, StepUpdate
 
 
 def admin_routes(steps: PlanSteps) -> APIRouter:
@@ -31,6 +34,10 @@ def admin_routes(steps: PlanSteps) -> APIRouter:
         applied = steps.apply(body)
         effect = None if applied.effect is None else applied.effect.value
         return JSONResponse({"applied": effect, "note": applied.note})
+
+    @api.post("/workers_lost")
+    async def workers_lost(body: LostWorkers) -> JSONResponse:
+        return JSONResponse({"removed": steps.lost(body.worker_ids)})
 
     @api.get("/instances")
     async def instances() -> JSONResponse:

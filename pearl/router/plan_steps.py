@@ -24,16 +24,20 @@ its old role, also one a failed sleep or stop already took out of the table. Whe
 leave aborts requests, the table changes at once and the aborts run on in the background
 (:meth:`PlanSteps.settle` waits for them): the step's command, sent next, finds its engine
 emptying. A step naming a worker the router does not have is ignored with a warning, as
-is a join with no URL to go to. The HTTP side is ``pearl.router.admin`` (the routes) and
-``pearl.router.steps_client`` (the coordinator's listener); docs/router.md, "Plan steps".
+is a join with no URL to go to. Besides the steps, :meth:`PlanSteps.lost`: workers the
+coordinator's state dropped (their engine died, their agent or node went) leave the table
+at once; a turn in flight there comes back unanswered and is routed again. The HTTP side
+is ``pearl.router.admin`` (the routes) and ``pearl.router.steps_client`` (the coordinator's
+listener); docs/router.md, "Plan steps".
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, field_validator
 
@@ -115,6 +119,14 @@ class StepUpdate(BaseModel):
             if needs_url and self.url is None:
                 return "url", f"the end of a {self.action.value} needs the engine's URL"
         return None
+
+
+class LostWorkers(BaseModel):
+    """Workers the coordinator's state dropped (``POST /pearl/workers_lost``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    worker_ids: tuple[Annotated[StrictStr, Field(min_length=1)], ...] = Field(max_length=4096)
+    reason: StrictStr = Field(default="", max_length=2000)
 
 
 class PlanSteps:
@@ -216,6 +228,20 @@ class PlanSteps:
             self.table.add(worker_id, left.url, left.role, engine=left.engine)
         self.table.ready(worker_id)
         return Applied(StepEffect.JOIN, "ready again in its old role")
+
+    def lost(self, worker_ids: Iterable[str]) -> list[str]:
+        """Take workers that are gone (the coordinator's ``WorkersLost``) out of the table
+        at once, with no aborts to send (nothing answers there): those it had."""
+        out = []
+        for wid in worker_ids:
+            self._cancel_leave(wid)
+            self._left.pop(wid, None)
+            if wid in self.table:
+                self.table.remove(wid)
+                out.append(wid)
+        if out:
+            log.warning("lost, out of the table: %s", ", ".join(out))
+        return out
 
     async def settle(self) -> None:
         """Until every leave's aborts are done (and its instance out of the table)."""

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 PLAN_STEPS_PATH = "/pearl/plan_steps"
+WORKERS_LOST_PATH = "/pearl/workers_lost"
 
 
 class RouterSteps:
@@ -33,6 +34,7 @@ class RouterSteps:
         self, router_url: str, *, timeout_s: float = 2.0, client: httpx.Client | None = None
     ) -> None:
         self.url = router_url.rstrip("/") + PLAN_STEPS_PATH
+        self.lost_url = router_url.rstrip("/") + WORKERS_LOST_PATH
         self.timeout_s = timeout_s
         self._client = client or httpx.Client(timeout=timeout_s)
         self.dropped = 0  # posts that failed
@@ -64,6 +66,10 @@ class RouterSteps:
             }
         )
 
+    def workers_lost(self, worker_ids: tuple[str, ...], reason: str) -> None:
+        """Workers the coordinator's state dropped: out of the router's table."""
+        self.post({"worker_ids": list(worker_ids), "reason": reason}, self.lost_url)
+
     # -- posting -----------------------------------------------------------------------
 
     def _step(self, step: PlanStep, phase: StepPhase, url: str | None, ok: bool) -> None:
@@ -79,11 +85,15 @@ class RouterSteps:
         }
         self.post(body)
 
-    def post(self, body: dict[str, Any]) -> dict[str, Any] | None:
-        """Post one update; its answer, or None (logged and dropped) if it failed."""
+    def post(self, body: dict[str, Any], url: str | None = None) -> dict[str, Any] | None:
+        """Post one update (to the plan-step route unless ``url``); its answer, or None
+        (logged and dropped) if it failed."""
         what = f"{body.get('action')} {body.get('phase')} of {body.get('worker_id')}"
+        if "worker_ids" in body:
+            what = f"workers lost {body['worker_ids']}"
+        url = url or self.url
         try:
-            resp = self._client.post(self.url, json=body, timeout=self.timeout_s)
+            resp = self._client.post(url, json=body, timeout=self.timeout_s)
             if resp.status_code == 200:
                 answer: dict[str, Any] = resp.json()
                 return answer
@@ -91,5 +101,5 @@ class RouterSteps:
         except (httpx.HTTPError, ValueError) as err:
             why = f"{type(err).__name__}: {err}"
         self.dropped += 1
-        log.warning("router %s: %s dropped: %s", self.url, what, why)
+        log.warning("router %s: %s dropped: %s", url, what, why)
         return None

@@ -233,6 +233,9 @@ class TrainerWorkers:
     def engine_url(self, worker_id: str) -> str | None:
         return None
 
+    def exited(self) -> dict[str, int]:
+        return {}  # no process of its own (the trainer's process is the run's to restart)
+
 
 class TrainerSource:
     """The trainer's status for the coordinator (beside the ``WorkloadSource``): training
@@ -396,6 +399,9 @@ class RouterListener:
     def drain_undone(self, step: PlanStep, result: PlanStepResult) -> None:
         self._on_loop(lambda: self.steps.drain_undone(step.worker_id, result.ok))
 
+    def workers_lost(self, worker_ids: tuple[str, ...], reason: str) -> None:
+        self._on_loop(lambda: self.steps.lost(worker_ids))
+
 
 def walk(
     server: Any,
@@ -440,10 +446,19 @@ class LocalControl:
         """Each node's agent joins once, at the first call, with the trainer's workers and
         the engines this incarnation started before it (the asleep ones on the trainer's
         slots): other engines a journal of an earlier incarnation holds died with it (they
-        are lost, and the next plan starts engines again). After that, none: this
-        machine's agents never leave (a worker that dies fails its step)."""
+        are lost, and the next plan starts engines again). After that, the engines that
+        died by themselves (killed, crashed), reported as ``exited`` by every node's agent
+        (the state knows which node each was on); this machine's agents never leave."""
         if self._joined:
-            return []
+            exited = self.server.engines.exited()
+            if not exited:
+                return []
+            codes = ", ".join(f"{w} ({c})" for w, c in sorted(exited.items()))
+            log.warning("engines exited by themselves: %s", codes)
+            return [
+                AgentEvent("exited", self.server.agent_id(n), n, codes, tuple(sorted(exited)))
+                for n in self.server.nodes
+            ]
         self._joined = True
         keep = (*self.server.trainer.worker_ids(), *self.server.engines.worker_ids())
         return [
@@ -462,6 +477,10 @@ class LocalControl:
             }
             for n in self.server.nodes
         ]
+
+    def workers_lost(self, worker_ids: tuple[str, ...], reason: str) -> None:
+        if self.listener is not None:
+            self.listener.workers_lost(worker_ids, reason)
 
     def close(self, budget_s: float = 30.0, restarting: bool = False) -> None:
         """Stop this machine's engines (``restarting`` changes nothing here: the next

@@ -30,14 +30,21 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pearl.control.coordinator_side import CommandResult, CommandStatus, ControlServer
-from pearl.control.execute import PlanStepResult, StepListener
+from pearl.control.execute import PlanStepResult
 from pearl.control.messages import Command
 from pearl.control.workers import WorkerError
 from pearl.coordinator.control_plane import MpiControl, plan_outcome
 from pearl.coordinator.reconcile import AgentEvent
 from pearl.core.execution import PlanOutcome
 from pearl.core.plan import Action, PlanStep, TransitionPlan
-from pearl.run.control import LocalControl, LocalServer, Weights, reload_latest, walk
+from pearl.run.control import (
+    LocalControl,
+    LocalServer,
+    RouterListener,
+    Weights,
+    reload_latest,
+    walk,
+)
 
 log = logging.getLogger(__name__)
 RELOADED_ON = frozenset({Action.START, Action.WAKE})
@@ -56,6 +63,11 @@ class ElasticEngines:
     def learn(self, worker_id: str, url: str) -> None:
         with self._lock:
             self.urls[worker_id] = url
+
+    def forget(self, worker_ids: Iterable[str]) -> None:
+        with self._lock:
+            for wid in worker_ids:
+                self.urls.pop(wid, None)
 
     def reload(self, worker_id: str) -> None:
         """The latest published weights into ``worker_id`` (none published: nothing)."""
@@ -83,12 +95,17 @@ class ElasticEngines:
         with self._lock:
             return self.urls.get(worker_id)
 
+    def exited(self) -> dict[str, int]:
+        return {}  # no process of its own (the agents report their engines')
+
 
 class ElasticWeights:
     """The router's listener, with an elastic engine's weights reloaded before a start or
     a wake reaches the router (the module docstring)."""
 
-    def __init__(self, router: StepListener, engines: ElasticEngines, local_nodes: Iterable[str]):
+    def __init__(
+        self, router: RouterListener, engines: ElasticEngines, local_nodes: Iterable[str]
+    ) -> None:
         self.router, self.engines = router, engines
         self.local_nodes = frozenset(local_nodes)
 
@@ -109,6 +126,10 @@ class ElasticWeights:
 
     def drain_undone(self, step: PlanStep, result: PlanStepResult) -> None:
         self.router.drain_undone(step, result)
+
+    def workers_lost(self, worker_ids: tuple[str, ...], reason: str) -> None:
+        self.engines.forget(worker_ids)
+        self.router.workers_lost(worker_ids, reason)
 
 
 class SplitServer:
@@ -190,6 +211,10 @@ class SplitControl:
 
     def agents(self) -> list[dict[str, Any]]:
         return [*self.local.agents(), *self.remote.agents()]
+
+    def workers_lost(self, worker_ids: tuple[str, ...], reason: str) -> None:
+        if self.listener is not None:
+            self.listener.workers_lost(worker_ids, reason)
 
     def close(self, budget_s: float = 30.0, restarting: bool = False) -> None:
         """Close both; ``restarting``: the elastic agents wait for the next incarnation."""

@@ -274,6 +274,37 @@ def test_sigusr2_preemption(coord: Coordinator, tmp_path: Path) -> None:
         stop_all(procs)
 
 
+def test_an_engine_killed_under_its_agent_is_reported_exited(
+    coord: Coordinator, tmp_path: Path
+) -> None:
+    procs = [start_agent(tmp_path, "k0", "n0", "--gpus", "0,1", *fake_engine_args())]
+    try:
+        agents = coord.call("wait", n=1)
+        coord.call("events")
+        start = {"action": "start", "node": "n0", "role": "colocated", "duration_s": 5.0}
+        steps = [
+            {"step_id": i, "worker_id": f"e{i}", "gpu_ids": [f"n0/{i}"], **start} for i in (0, 1)
+        ]
+        assert coord.call("execute", steps=steps)["ok"]
+        engines = _fake_children(agents["k0"]["pid"])
+        assert len(engines) == 2
+        killed = max(engines)  # the second started
+        os.kill(killed, signal.SIGKILL)
+        end, events = time.monotonic() + 10, []
+        while not any(e[0] == "exited" for e in events):
+            assert time.monotonic() < end, f"no exit reported: {events}"
+            time.sleep(0.1)
+            events += coord.call("events")
+        (exited,) = [e for e in events if e[0] == "exited"]
+        assert exited[1] == "k0" and exited[3] == ["e1"] and "e1 (-9)" in exited[2], exited
+        assert _fake_children(agents["k0"]["pid"]) == [min(engines)]
+        assert coord.call("agents")["k0"]["state"] == "alive"  # the agent goes on
+        again = [{**steps[1], "step_id": 2}]  # its id and GPU are free again
+        assert coord.call("execute", steps=again)["ok"]
+    finally:
+        stop_all(procs)
+
+
 def test_failed_plan_aborts_its_drains(coord: Coordinator, tmp_path: Path) -> None:
     """Two-phase role change: when the switch cannot happen, the drain is undone."""
     procs = [start_agent(tmp_path, "a0", "n0", "--null-workers")]

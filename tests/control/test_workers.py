@@ -123,6 +123,22 @@ def test_an_engine_runs_on_its_gpus_and_obeys_every_action(workers: ProcessWorke
     assert proc.poll() is not None and workers.worker_ids() == ()
 
 
+def test_a_worker_that_dies_by_itself_is_reported_once_and_forgotten(
+    workers: ProcessWorkers,
+) -> None:
+    for w in ("w0", "w1", "w2"):
+        workers.execute(_cmd(A.START, w, role=R.DECODE, gpu_ids=(f"n0/{w[1]}",)))
+    assert workers.exited() == {}
+    workers.execute(_cmd(A.STOP, "w2"))  # stopped: not an exit of its own
+    workers.procs["w0"].proc.kill()
+    workers.procs["w0"].proc.wait()
+    assert workers.exited() == {"w0": -9}
+    assert workers.worker_ids() == ("w1",) and workers.exited() == {}
+    with pytest.raises(WorkerError, match="no worker w0"):
+        workers.execute(_cmd(A.DRAIN, "w0"))
+    assert NullWorkers().exited() == {}
+
+
 def test_a_trainer_offloads_and_onloads(workers: ProcessWorkers) -> None:
     workers.execute(_cmd(A.START, "t0", role=R.TRAIN, gpu_ids=("n0/0",)))
     assert workers.procs["t0"].state.kind is WorkerKind.TRAINER

@@ -39,3 +39,6 @@ class AckingControl:
 
     def agents(self) -> list[dict[str, Any]]:
         return []
+
+    def workers_lost(self, worker_ids: tuple[str, ...], reason: str) -> None:
+        return None

@@ -51,6 +51,19 @@ def test_an_agent_that_rejoins_keeps_only_the_workers_it_reports() -> None:
     assert agent_observations(state, [again], 10.0) == []
 
 
+def test_workers_an_agent_reports_exited_are_lost_and_only_those_on_its_node() -> None:
+    state = build_state(Layout(2, 2, 0))
+    node = state.workers[-1].node
+    on_node = sorted(w.worker_id for w in state.workers if w.node == node)
+    elsewhere = next(w.worker_id for w in state.workers if w.node != node)
+    died = (on_node[0], elsewhere, "never-existed")
+    ev = AgentEvent("exited", "a1", node, f"{on_node[0]} (-9)", workers=died)
+    (lost,) = agent_observations(state, [ev, ev], 10.0)  # the same report twice: once
+    assert isinstance(lost, WorkersLost) and lost.worker_ids == (on_node[0],)
+    assert lost.reason == f"exited on {node}: {on_node[0]} (-9)"
+    assert on_node[0] not in observe(state, Observation(events=(lost,)), 10.0).worker_by_id
+
+
 def test_an_agent_that_reports_a_preemption_makes_its_allocation_preempting() -> None:
     state = build_state(Layout(1, 1, 1))
     (node,) = {g.node for g in state.gpus if g.allocation_id == "el0000"}

@@ -258,6 +258,22 @@ def test_unknown_workers_failed_steps_and_undone_drains(caplog: pytest.LogCaptur
     asyncio.run(run())
 
 
+def test_lost_workers_leave_the_table_at_once_and_a_leave_under_way_ends() -> None:
+    async def run() -> None:
+        r = Router()
+        steps = PlanSteps(r)
+        steps.end(A.START, "w0", R.DECODE, "http://127.0.0.1:9")
+        steps.end(A.START, "w1", R.DECODE, "http://127.0.0.1:10")
+        steps.start(A.STOP, "w1")  # leaving: its aborts under way
+        assert steps.lost(["w0", "w1", "ghost"]) == ["w0", "w1"]
+        assert list(r.table) == [] and steps.lost(["w0"]) == []
+        await steps.settle()  # the leave was cancelled: nothing comes back
+        assert steps.drain_undone("w1").effect is None  # lost: no compensation brings it back
+        await r.aclose()
+
+    asyncio.run(run())
+
+
 # -- over HTTP ---------------------------------------------------------------------------
 
 
@@ -359,6 +375,12 @@ def test_bad_plan_step_bodies_are_400s_naming_the_field(tiny_model_dir: Path) ->
         ok = httpx.post(url, json={"phase": "start", "action": "drain", "worker_id": "w"})
         assert ok.status_code == 200 and ok.json()["applied"] is None  # unknown: ignored
         assert httpx.get(f"{front.url}/pearl/instances").json() == {"instances": []}
+        lost = f"{front.url}/pearl/workers_lost"
+        for body, field in [({"worker_ids": "w"}, "worker_ids"), ({"worker_ids": [""]}, "0")]:
+            resp = httpx.post(lost, json=body)
+            assert resp.status_code == 400 and field in resp.json()["error"]["param"], resp.text
+        resp = httpx.post(lost, json={"worker_ids": ["w"], "reason": "exited"})
+        assert resp.status_code == 200 and resp.json() == {"removed": []}
 
 
 def test_a_listener_whose_router_is_down_drops_the_step_and_returns(

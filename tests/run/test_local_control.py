@@ -74,6 +74,9 @@ class FakeWorkers:
     def engine_url(self, worker_id: str) -> str | None:
         return f"http://{worker_id}"
 
+    def exited(self) -> dict[str, int]:
+        return {}
+
 
 class FakeTrainer:
     def __init__(self) -> None:
