@@ -25,6 +25,8 @@ from pearl.coordinator.journal import replay
 from pearl.core.state import AllocationStatus
 from pearl.engines.client import call
 
+pytestmark = pytest.mark.fault  # alone: pytest -m fault
+
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevCluster]:
