@@ -101,6 +101,9 @@ class PdTimeline:
     transitions: list[Transition] = field(default_factory=list)
     plan_steps: int = 0
     plan_steps_failed: int = 0
+    plan_steps_s: float = 0.0  # summed over steps (steps of one plan overlap)
+    decide_calls: int = 0  # measured ones (decision records with decide_s)
+    decide_s: float = 0.0
     _open: Transition | None = None
     _pending: DecisionMade | None = None  # the decision whose configuration comes next
 
@@ -119,6 +122,9 @@ class PdTimeline:
         self._close()
         self.decisions += 1
         self.switches += r.switch
+        if r.decide_s is not None:
+            self.decide_calls += r.decide_calls
+            self.decide_s += r.decide_s
         self._pending = r
         if r.num_steps > 0:
             current = self.points[-1].label if self.points else ""
@@ -137,6 +143,7 @@ class PdTimeline:
     def _on_step(self, r: PlanStepDone) -> None:
         self.plan_steps += 1
         self.plan_steps_failed += not r.ok
+        self.plan_steps_s += max(0.0, r.t - r.started_t)
         tr = self._open
         if tr is not None:
             tr.steps_done += 1
@@ -146,15 +153,28 @@ class PdTimeline:
     def finish(self) -> None:
         self._close()
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self, duration_s: float | None = None) -> dict[str, Any]:
+        """``duration_s``: the run's, for the coordinator's overhead as a share of it."""
         self.finish()
         measured = [m for tr in self.transitions if (m := tr.measured_s) is not None]
+
+        def share(x: float) -> float | None:
+            return rounded(x / duration_s, 4) if duration_s else None
+
         return {
             "decisions": self.decisions,
             "switches": self.switches,
             "transitions": len(self.transitions),
             "plan_steps": self.plan_steps,
             "plan_steps_failed": self.plan_steps_failed,
+            "plan_steps_s": rounded(self.plan_steps_s),
+            "decide_calls": self.decide_calls,
+            "decide_s": rounded(self.decide_s),
+            "decide_ms_mean": rounded(1000 * self.decide_s / self.decide_calls)
+            if self.decide_calls
+            else None,
+            "decide_share": share(self.decide_s) if self.decide_calls else None,
+            "plan_steps_share": share(self.plan_steps_s),
             "transition_measured_s": describe(measured),
             "transition_predicted_s": describe([tr.predicted_s for tr in self.transitions]),
             "configurations": [

@@ -162,7 +162,7 @@ class RunAnalysis:
             "batches": self.batches.summary(),
             "rollout": self.consumption.summary(),
             "gpu_hours": gpu_hours,
-            "pd": self.pd.summary(),
+            "pd": self.pd.summary(self.info.duration_s),
             "borrow": self.borrow.summary(end_t, self.training.waits_s, self.max_return_delay_s),
             "elastic": elastic,
             "notes": notes,

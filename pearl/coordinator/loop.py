@@ -243,10 +243,12 @@ class Coordinator:
         self._forget_lost(obs.events)
         self._write_agents()  # before a plan that may take a while, and after it
         profile = self.profile  # once: another thread may replace it (pearl run's calibration)
+        t0 = time.perf_counter()
         d = decide(self.state, obs, self.config.policy, profile, now_s)
+        decide_s = time.perf_counter() - t0
         self.decisions += 1
         self._record(d.state, now_s)
-        self.log.decision(d, now_s)
+        self.log.decision(d, now_s, decide_s)
         if self.on_decision is not None:
             self.on_decision(d, obs, profile)
         self.executor.carry_out(d, now_s)

@@ -10,7 +10,9 @@ What is logged: the GPU, worker and allocation changes of each new state
 (``pearl.runlog.records.state_records``); an allocation ``granted`` when Slurm grants it
 (its GPUs reach the state later, once its agents joined, and that ``granted`` repeats);
 a ``decision`` record when a decision plans, asks for or releases allocations, or lends
-or returns GPUs, and otherwise at most once every ``quiet_decision_interval_s``;
+or returns GPUs, and otherwise at most once every ``quiet_decision_interval_s`` (each
+with the wall time decide() took, ``decide_s``, over the ``decide_calls`` it covers: the
+quiet decisions not logged before it included, so that their sum is decide()'s time);
 ``borrow`` records (``lend``, ``return`` when decided, ``returned`` when the state no
 longer has the window); a ``plan_step`` record per step executed; ``run_ended`` when the
 run ends (not when a signal stops this incarnation: the next one continues).
@@ -49,6 +51,7 @@ class CoordinatorLog:
         self._borrows = BorrowRecords()
         self._quiet_s = quiet_decision_interval_s
         self._last_decision_s: float | None = None
+        self._unlogged_decide_s, self._unlogged_calls = 0.0, 0  # decisions not logged
         if fresh:
             self._writer.write(
                 RunStarted.model_construct(
@@ -91,7 +94,9 @@ class CoordinatorLog:
             )
         )
 
-    def decision(self, d: Decision, now_s: float) -> None:
+    def decision(self, d: Decision, now_s: float, decide_s: float | None = None) -> None:
+        """A decision; ``decide_s``: the wall time decide() took (a quiet decision that is
+        not logged adds its time to the next record)."""
         acted = (
             not d.plan.empty
             or d.elastic.requests
@@ -99,9 +104,13 @@ class CoordinatorLog:
             or d.borrow.kind not in (BorrowKind.NONE, BorrowKind.KEEP)
         )
         last = self._last_decision_s
+        calls, spent_s = self._unlogged_calls + 1, self._unlogged_decide_s + (decide_s or 0.0)
         if acted or last is None or now_s - last >= self._quiet_s:
-            self._writer.write(decision_record(now_s, POLICY, d))
+            measured = None if decide_s is None else spent_s
+            self._writer.write(decision_record(now_s, POLICY, d, measured, calls))
             self._last_decision_s = now_s
+            calls, spent_s = 0, 0.0
+        self._unlogged_calls, self._unlogged_decide_s = calls, spent_s
         borrow = self._borrows.record(now_s, d)
         if borrow is not None:
             self._writer.write(borrow)

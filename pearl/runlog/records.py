@@ -77,7 +77,13 @@ def past_bound_record(now_s: float, outcome: PastBoundOutcome, mode: PastBound) 
     )
 
 
-def decision_record(now_s: float, policy: str, d: Decision) -> DecisionMade:
+def decision_record(
+    now_s: float,
+    policy: str,
+    d: Decision,
+    decide_s: float | None = None,
+    decide_calls: int = 1,
+) -> DecisionMade:
     return DecisionMade.model_construct(
         t=now_s,
         policy=policy,
@@ -92,6 +98,8 @@ def decision_record(now_s: float, policy: str, d: Decision) -> DecisionMade:
         borrow=d.borrow.kind.value,
         num_elastic_requests=len(d.elastic.requests),
         reasons=d.reasons,
+        decide_s=decide_s,
+        decide_calls=decide_calls,
     )
 
 

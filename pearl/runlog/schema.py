@@ -87,6 +87,12 @@ class DecisionMade(_Record):
     borrow: str
     num_elastic_requests: int
     reasons: tuple[str, ...]
+    decide_s: float | None = Field(
+        default=None,
+        description="Wall seconds of the decide() calls this record covers: this one and "
+        "those not logged since the previous record; null where not measured (the simulator).",
+    )
+    decide_calls: int = Field(default=1, ge=1, description="The decide() calls it covers.")
 
 
 class PlanStepDone(_Record):

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pearl.analysis.decisions import PdTimeline
 from pearl.bench.synth import Layout, build_state
 from pearl.coordinator.runlog import CoordinatorLog
-from pearl.core.observation import AllocationGranted, GrantedNode
+from pearl.core.config import PolicyConfig
+from pearl.core.decide import decide
+from pearl.core.observation import AllocationGranted, GrantedNode, Observation
 from pearl.core.state import BorrowWindow
+from pearl.io.documents import load_profile
 from pearl.runlog.jsonl import ReadStats, read_records
 
 
@@ -54,3 +58,25 @@ def test_slurms_grant_is_logged_when_it_happens_and_only_once(tmp_path: Path) ->
         2,
     )
     assert [r.allocation_id for r in granted].count("el0000") == 1  # type: ignore[union-attr]
+
+
+def test_every_decides_wall_time_is_logged_the_quiet_ones_with_the_next_record(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "events.jsonl"
+    state = build_state(Layout(1, 1, 0))
+    quiet = decide(state, Observation(), PolicyConfig(), load_profile("qwen3-8b"), 1.0)
+    assert quiet.plan.empty and not quiet.elastic.requests
+    log = CoordinatorLog(path, "r1", "qwen3-8b", None, 0.0, quiet_decision_interval_s=60.0)
+    for t, spent_s in ((1.0, 0.010), (2.0, 0.002), (3.0, 0.003), (61.0, 0.005)):
+        log.decision(quiet, t, spent_s)  # logged at 1 s, then quiet until 61 s
+    log.close(62.0, None)
+    decisions = [r for r in read_records(path, ReadStats()) if r.type == "decision"]
+    assert [(r.t, r.decide_calls) for r in decisions] == [(1.0, 1), (61.0, 3)]  # type: ignore[union-attr]
+    assert [round(r.decide_s, 6) for r in decisions] == [0.010, 0.010]  # type: ignore[union-attr]
+    pd = PdTimeline()
+    for r in decisions:
+        pd.handlers()["decision"](r)
+    summary = pd.summary(duration_s=62.0)
+    assert (summary["decide_calls"], summary["decide_s"]) == (4, 0.02)
+    assert summary["decide_ms_mean"] == 5.0 and summary["decide_share"] == round(0.02 / 62, 4)
