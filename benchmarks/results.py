@@ -3,6 +3,8 @@ predictor's error on the same runs' decisions.
 
     .venv/bin/python benchmarks/results.py                # about 20 minutes on one core
     .venv/bin/python benchmarks/results.py --notes-only   # the commentary alone
+    .venv/bin/python benchmarks/results.py --dev-cluster PAIR_DIR   # pearl run on Slurm
+
 
 For each scenario it runs ``pearl simulate SCENARIO --json`` (timing it: the issue's
 budget is 3 minutes per scenario on one core) and ``pearl bench predictor SCENARIO``, then
@@ -19,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import dev_cluster_results
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -168,6 +171,14 @@ def in_order_section(name: str, first_completed: dict[str, float]) -> list[str]:
     return lines
 
 
+def dev_cluster_section() -> list[str]:
+    """The dev-cluster section from its committed figures (none measured: no section)."""
+    if not dev_cluster_results.MEASURED.exists():
+        return []
+    measured = json.loads(dev_cluster_results.MEASURED.read_text(encoding="utf-8"))
+    return dev_cluster_results.section(measured)
+
+
 def notes_only() -> int:
     """Put the current ``results_notes.md`` into docs/results.md, keeping its figures."""
     doc = ROOT / "docs" / "results.md"
@@ -185,6 +196,8 @@ def notes_only() -> int:
 def main() -> int:
     if sys.argv[1:] == ["--notes-only"]:
         return notes_only()
+    if sys.argv[1:2] == ["--dev-cluster"] and len(sys.argv) == 3:
+        return dev_cluster_results.main(Path(sys.argv[2]))
     sections: list[str] = []
     for name in SCENARIOS:
         print(f"running {name} ...", file=sys.stderr)
@@ -200,6 +213,7 @@ def main() -> int:
         "in steps of about one batch per run: 1,024 trajectories in 30 minutes, 2,048 traj/h.",
         "",
         *sections,
+        *dev_cluster_section(),
         "## Simulation speed",
         "",
         "`pearl bench sim --gpus 256 --sim-hours 0.25 --json` (the 24-hour run of the target "

@@ -242,6 +242,13 @@ class SlurmSection(Frozen):
     join_timeout_s: PosFloat = Field(
         300.0, description="A grant whose agents have not joined by then is given back."
     )
+    reconnect_s: PosFloat = Field(
+        600.0,
+        le=30 * 86400.0,
+        description="How long an elastic job holds its allocation for the run's next "
+        "incarnation once the run has stopped (a requeue, Slurm's warning, scancel): then "
+        "its agent ends and the allocation with it.",
+    )
     job: SlurmJob = Field(default_factory=SlurmJob)
 
 

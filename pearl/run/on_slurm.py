@@ -67,7 +67,12 @@ def slurm_backend(config: RunConfig, run_dir: Path, model: Path) -> SlurmBackend
     gpu_type = config.coordinator.policy_config().elastic.gpu_type
     engines = agents.engine_commands(sys.executable)
     payload = AgentPayload(
-        str(run_dir), gpu_type, engines, grace_s=agents.grace_s, engine_host=agents.engine_host
+        str(run_dir),
+        gpu_type,
+        engines,
+        grace_s=agents.grace_s,
+        reconnect_s=s.reconnect_s,
+        engine_host=agents.engine_host,
     )
     return SlurmBackend(
         run_id(config, run_dir),

@@ -21,6 +21,7 @@ import pytest
 
 pytest.importorskip("torch")
 
+from lent_slot import LEAVES, ON_SLOT, check_returns
 from test_pearl_run import _pearl
 
 RUN = """\
@@ -58,6 +59,16 @@ def test_the_policy_lends_the_trainers_slot_between_updates(tmp_path: Path) -> N
     assert any(u["started_t"] >= returned_t - 1.0 for u in updates)
     granted = [r for r in records if r["type"] == "allocation" and r["status"] == "granted"]
     assert granted and granted[0]["gpu_type"] == "cpu"  # asked for, in a window
+    # the return takes the slot back with turns in flight on it: each of them goes on
+    # elsewhere (migrated: served by the slot's engine, then another), none stays there
+    # past the step that takes the engine off the slot, none is lost
+    assert any(s["action"] in LEAVES and s["worker_id"].startswith(ON_SLOT) for s in steps)
+    served, moved = check_returns(steps, rollout)
+    assert not [r for r in rollout if r["type"] == "trajectory_lost"]
+    print(
+        f"the lent slot served {served} turns; {moved} in flight at its return "
+        f"went on elsewhere; returns: {[b['kind'] for b in borrows if 'return' in b['kind']]}"
+    )
     report = _pearl("analyze", "out", "--json", cwd=tmp_path)
     assert report.returncode == 0, report.stderr
     summary = json.loads(report.stdout)

@@ -42,6 +42,7 @@ from typing import Any
 
 import pytest
 import yaml
+from lent_slot import check_returns
 from slurm_cluster import REPO, DevCluster, dev_cluster, wait_for
 
 from pearl.coordinator.journal import replay
@@ -276,6 +277,8 @@ def test_pearl_run_on_slurm_survives_a_preemption_kills_and_a_requeue(
     assert set(lost) <= {"manager_restart"}, lost  # none to the preemption, the engines
     logs = _job_logs(jobs)
     assert "pearl run killed by SIGKILL: starting it again" in logs
+    # a lend of the trainer's slot, where decide() made one: its return left no turn there
+    served_on_slot, moved = check_returns(_events(out, "plan_step"), rollout)
     consumed = [r for r in rollout if r["type"] == "batch_consumed"]
     assert sum(b["trajectories"] for b in consumed[-STEPS:]) == STEPS * 512
     # the trainer's wait for lent devices, within the bound
@@ -298,6 +301,7 @@ def test_pearl_run_on_slurm_survives_a_preemption_kills_and_a_requeue(
         f"at the preemption or the engines' kills ({killed}); "
         f"allocations {sorted(allocations)} ({second} held across the requeue); "
         f"{served_before} turns served on {first}'s node before its preemption; "
+        f"{served_on_slot} on the trainer's lent slot, {moved} of them moved at a return; "
         f"{kinds['turn_ended']} turns; the run ended {time.time() - requeued_t:.0f} s after "
         f"its requeue (its incarnation {steps_before} updates in, killed {steps_at_kill} in)"
     )

@@ -145,3 +145,19 @@ def test_cluster_slurm_on_the_command_line_is_checked_as_the_file_would_be(
     assert done.returncode == 2, done.stderr
     (line,) = done.stderr.strip().splitlines()
     assert f"{path}: cluster: slurm needs coordinator.enabled" in line
+
+
+def test_the_elastic_jobs_payload_takes_the_configs_grace_and_reconnect_wait(
+    tmp_path: Path,
+) -> None:
+    pytest.importorskip("submitit")
+    from pearl.cluster.agent_payload import AgentPayload
+    from pearl.run.on_slurm import slurm_backend
+
+    path = _with(tmp_path, slurm__reconnect_s=90, slurm__grace_s=12)
+    config, _ = load_run_config(path)
+    payload = slurm_backend(config, tmp_path / "out", tmp_path / "model").payload
+    assert isinstance(payload, AgentPayload)
+    assert (payload.reconnect_s, payload.grace_s, payload.engine_host) == (90.0, 12.0, "node")
+    with pytest.raises(InputError, match=r"slurm\.reconnect_s"):
+        load_run_config(_with(tmp_path, slurm__reconnect_s=-1))
