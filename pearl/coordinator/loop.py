@@ -44,7 +44,13 @@ from pearl.cluster.backend import AllocationBackend, AllocationConfigError
 from pearl.coordinator.config import CoordinatorConfig, initial_state
 from pearl.coordinator.control_plane import write_agents
 from pearl.coordinator.journal import Journal, Replay, replay
-from pearl.coordinator.reconcile import AgentEvent, GrantGate, LiveAgent, agent_observations
+from pearl.coordinator.reconcile import (
+    AgentEvent,
+    GrantGate,
+    LiveAgent,
+    agent_observations,
+    suspended_grants,
+)
 from pearl.coordinator.runlog import CoordinatorLog
 from pearl.core.decide import decide
 from pearl.core.decision import Decision, ElasticRequest
@@ -151,6 +157,9 @@ class Coordinator:
         self._plan_intent: str | None = None  # the intent of the plan running
         join_timeout_s = config.agents.join_timeout_s if config.agents else 0.0
         self.gate = GrantGate(join_timeout_s) if control is not None else None
+        if self.gate is not None:  # resumed allocations count once their agents rejoin
+            self.state, grants = suspended_grants(self.state)
+            self.gate.hold(grants, clock())
 
     @classmethod
     def open(

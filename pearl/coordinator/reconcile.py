@@ -18,6 +18,12 @@ Three rules keep the state true to what runs on the nodes:
   ``join_timeout_s`` is given up: the caller releases the allocation, and the core sees it
   end (reason ``no agent``). A grant that is taken back (preempted or ended) before its
   agents joined is dropped; its other events pass.
+- ``suspended_grants``: a resumed incarnation's granted elastic allocations wait for their
+  agents again (their engines died with the last incarnation: an agent stops its engines
+  when the run stops or goes silent). Each goes back to pending in the state, without its
+  GPUs and the workers on them, and its grant is held by the gate as a new one is: its
+  GPUs come back once its agents have rejoined, and an allocation whose agents never do
+  is given up after ``join_timeout_s``, instead of plans failing on its nodes.
 
 No I/O and no clock: the run clock comes in as ``now_s``.
 """
@@ -32,6 +38,7 @@ from pearl.core.observation import (
     AllocationGranted,
     AllocationPreempting,
     Event,
+    GrantedNode,
     WorkersLost,
 )
 from pearl.core.state import AllocationKind, AllocationStatus, ClusterState, EndReason
@@ -175,3 +182,46 @@ class GrantGate:
                 out.append(AllocationEnded(allocation_id=aid, reason=EndReason.NO_AGENT))
                 del self._held[aid]
         return out, give_up
+
+    def hold(self, grants: Iterable[AllocationGranted], now_s: float) -> None:
+        """Hold ``grants`` from ``now_s`` on, as if Slurm had just granted them."""
+        for grant in grants:
+            self._held.setdefault(grant.allocation_id, _Held(grant, now_s))
+
+
+def suspended_grants(state: ClusterState) -> tuple[ClusterState, list[AllocationGranted]]:
+    """``state`` with its granted elastic allocations back to pending (their GPUs, and the
+    workers on them, gone), and the grant of each, to be held until its agents rejoin."""
+    allocations = state.allocation_by_id
+    suspended = {
+        a.allocation_id
+        for a in state.allocations
+        if a.kind is AllocationKind.ELASTIC and a.status is AllocationStatus.GRANTED
+    }
+    if not suspended:
+        return state, []
+    grants = []
+    for aid in sorted(suspended):
+        per_node: dict[tuple[str, str], int] = {}
+        for g in state.gpus:
+            if g.allocation_id == aid:
+                per_node[g.node, g.gpu_type] = per_node.get((g.node, g.gpu_type), 0) + 1
+        nodes = tuple(
+            GrantedNode(node=n, gpu_type=t, num_gpus=k) for (n, t), k in sorted(per_node.items())
+        )
+        if nodes:
+            end_by_s = allocations[aid].end_by_s
+            grants.append(AllocationGranted(allocation_id=aid, nodes=nodes, end_by_s=end_by_s))
+    gone = {g.gpu_id for g in state.gpus if g.allocation_id in suspended}
+    pending = AllocationStatus.PENDING
+    return (
+        state.replace(
+            allocations=tuple(
+                a.model_copy(update={"status": pending}) if a.allocation_id in suspended else a
+                for a in state.allocations
+            ),
+            gpus=tuple(g for g in state.gpus if g.gpu_id not in gone),
+            workers=tuple(w for w in state.workers if not gone.intersection(w.gpu_ids)),
+        ),
+        grants,
+    )

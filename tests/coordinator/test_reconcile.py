@@ -4,7 +4,13 @@ agent, and grants held for agents."""
 from __future__ import annotations
 
 from pearl.bench.synth import Layout, build_state
-from pearl.coordinator.reconcile import AgentEvent, GrantGate, LiveAgent, agent_observations
+from pearl.coordinator.reconcile import (
+    AgentEvent,
+    GrantGate,
+    LiveAgent,
+    agent_observations,
+    suspended_grants,
+)
 from pearl.core.observation import (
     AllocationEnded,
     AllocationGranted,
@@ -119,3 +125,32 @@ def test_the_agent_of_a_nodes_previous_job_does_not_count_for_its_next_grant() -
     assert out == [] and gate.held == ("el2",)
     out, _ = gate.filter([], [stale, LiveAgent("h20-1", "102")], 1.0, jobs.get)
     assert [e.allocation_id for e in out] == ["el2"]  # type: ignore[union-attr]
+
+
+def test_a_resumed_grant_waits_for_its_agents_again_and_comes_back_whole() -> None:
+    from pearl.core.state import AllocationStatus
+
+    state = build_state(Layout(1, 1, 1))  # el0000 granted, with workers on its GPUs
+    mine = {g.gpu_id for g in state.gpus if g.allocation_id == "el0000"}
+    assert mine and any(mine.intersection(w.gpu_ids) for w in state.workers)
+    held, grants = suspended_grants(state)
+    assert held.allocation_by_id["el0000"].status is AllocationStatus.PENDING
+    assert not mine & set(held.gpu_by_id)
+    assert not any(mine.intersection(w.gpu_ids) for w in held.workers)
+    assert len(held.workers) < len(state.workers) and len(held.gpus) == len(state.gpus) - len(mine)
+    (grant,) = grants
+    gate = GrantGate(join_timeout_s=30.0)
+    gate.hold(grants, 100.0)
+    (node,) = {n.node for n in grant.nodes}
+    assert gate.filter([], [], 110.0) == ([], [])  # no agent yet: still held
+    out, give_up = gate.filter([], [LiveAgent(node)], 111.0)
+    assert out == [grant] and give_up == []
+    back = observe(held, Observation(events=tuple(out)), 111.0)
+    assert {g.gpu_id for g in back.gpus if g.allocation_id == "el0000"} == mine
+    assert back.allocation_by_id["el0000"].status is AllocationStatus.GRANTED
+    gate.hold(grants, 100.0)  # an agent that never rejoins: given up after the timeout
+    out, give_up = gate.filter([], [], 131.0)
+    assert give_up == ["el0000"] and out == [
+        AllocationEnded(allocation_id="el0000", reason="no agent")
+    ]
+    assert suspended_grants(build_state(Layout(1, 1, 0))) == (build_state(Layout(1, 1, 0)), [])
