@@ -1,5 +1,7 @@
-"""``pearl trainer serve --model DIR --port P``: the reference trainer in a process of its own,
-its ``Trainer`` protocol over HTTP (``pearl.trainer.server``); ``pearl run`` starts one."""
+"""``pearl trainer serve --model DIR --port P``: a trainer in a process of its own, its
+``Trainer`` protocol over HTTP (``pearl.trainer.server``); ``pearl run`` starts one. The
+reference trainer (torch, CPU) by default; ``--backend megatron`` Megatron-core's (CUDA:
+refused in one line on a machine without a GPU), with ``--megatron FILE`` its options."""
 
 from __future__ import annotations
 
@@ -20,6 +22,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     s.add_argument(
         "--config", default=None, help="a TrainerConfig file (JSON or YAML); default: its defaults"
     )
+    s.add_argument("--backend", choices=("reference", "megatron"), default="reference")
+    s.add_argument(
+        "--megatron", default=None, help="MegatronOptions (JSON or YAML); default: its defaults"
+    )
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8100)
     s.set_defaults(run=run)
@@ -38,4 +44,17 @@ def run(args: argparse.Namespace) -> int:
         if args.config
         else TrainerConfig()
     )
-    return serve(Path(args.model), config, args.host, args.port)
+    options = None
+    if args.backend == "megatron":
+        require("megatron")
+        import torch
+
+        from pearl.trainer.megatron.config import MegatronOptions
+
+        if args.megatron:
+            options = parse(MegatronOptions, read_document(args.megatron), args.megatron)
+        if not torch.cuda.is_available():
+            raise InputError("pearl trainer serve", "--backend megatron", "needs CUDA: no GPU here")
+    elif args.megatron:
+        raise InputError(args.megatron, "--megatron", "only with --backend megatron")
+    return serve(Path(args.model), config, args.host, args.port, args.backend, options)

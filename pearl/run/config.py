@@ -22,6 +22,7 @@ from pearl.io.documents import InputError, load_profile, parse, read_document
 from pearl.rollout.rules import Batching, PastBound, RolloutRules
 from pearl.router.router import Sampling
 from pearl.trainer.config import TrainerConfig
+from pearl.trainer.megatron.config import MegatronOptions
 
 PosInt = Annotated[int, Field(gt=0)]
 PosFloat = Annotated[float, Field(gt=0)]
@@ -112,8 +113,13 @@ class EnginesSection(Frozen):
 
 
 class TrainerSection(Frozen):
-    backend: Literal["reference"] = Field(
-        "reference", description="The torch CPU trainer (megatron: on GPUs)."
+    backend: Literal["reference", "megatron"] = Field(
+        "reference",
+        description="The torch CPU trainer, or Megatron-core's (CUDA; its process only: "
+        "`pearl trainer serve --backend megatron`).",
+    )
+    megatron: MegatronOptions = Field(
+        default_factory=MegatronOptions, description="megatron only: how it builds the model."
     )
     steps: PosInt = Field(30, description="Updates the run trains.")
     process: bool = Field(
@@ -124,6 +130,14 @@ class TrainerSection(Frozen):
     optimizer: TrainerConfig = Field(
         default_factory=TrainerConfig, description="The loss and the optimiser."
     )
+
+    @model_validator(mode="after")
+    def _megatron_in_its_process(self) -> TrainerSection:
+        if self.backend == "megatron" and not self.process:
+            raise ValueError("process: the megatron trainer runs in its own process (true)")
+        if self.backend != "megatron" and "megatron" in self.model_fields_set:
+            raise ValueError("megatron: options of backend 'megatron' only")
+        return self
 
 
 DEFAULT_POLICY: dict[str, Any] = {  # pearl's policy at this run's time scale (seconds)

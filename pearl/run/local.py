@@ -176,7 +176,9 @@ async def trainer_running(
     if not config.trainer.process:
         yield ReferenceTrainer(model, optimizer), None
         return
-    process = TrainerProcess(model, optimizer, run_dir / "logs")
+    t = config.trainer
+    options = t.megatron if t.backend == "megatron" else None
+    process = TrainerProcess(model, optimizer, run_dir / "logs", t.backend, options)
     try:
         await asyncio.to_thread(process.start)
         remote = RemoteTrainer(process.url)

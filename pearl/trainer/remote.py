@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from pydantic import TypeAdapter, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from pearl.agents.batches import RolloutBatch, batch_text, first_error
 from pearl.control import pdeath
@@ -126,32 +126,46 @@ class RemoteTrainer:
         self._client.close()
 
 
-def trainer_argv(model: Path, config_file: Path, port: int) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "pearl.cli.main",
-        "trainer",
-        "serve",
-        "--model",
-        str(model),
-        "--config",
-        str(config_file),
-        "--port",
-        str(port),
-    ]
+def trainer_argv(
+    model: Path,
+    config_file: Path,
+    port: int,
+    backend: str = "reference",
+    options_file: Path | None = None,
+) -> list[str]:
+    """``pearl trainer serve``'s command line; with ``options_file``, the Megatron
+    trainer's options (``--megatron``)."""
+    argv = [sys.executable, "-m", "pearl.cli.main", "trainer", "serve", "--model", str(model)]
+    argv += ["--config", str(config_file), "--port", str(port)]
+    if backend != "reference":
+        argv += ["--backend", backend]
+    if options_file is not None:
+        argv += ["--megatron", str(options_file)]
+    return argv
 
 
 class TrainerProcess:
     """``pearl trainer serve`` as a child process of this one (the module docstring)."""
 
-    def __init__(self, model: Path, config: TrainerConfig, log_dir: Path) -> None:
+    def __init__(
+        self,
+        model: Path,
+        config: TrainerConfig,
+        log_dir: Path,
+        backend: str = "reference",
+        options: BaseModel | None = None,
+    ) -> None:
+        """``backend`` and its ``options`` (megatron: ``MegatronOptions``)."""
         log_dir.mkdir(parents=True, exist_ok=True)
         self.config_file = log_dir / "trainer-config.json"
         self.config_file.write_text(config.model_dump_json(indent=2) + "\n", encoding="utf-8")
+        options_file = None
+        if options is not None:
+            options_file = log_dir / f"trainer-{backend}.json"
+            options_file.write_text(options.model_dump_json(indent=2) + "\n", encoding="utf-8")
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.argv = trainer_argv(model, self.config_file, self.port)
+        self.argv = trainer_argv(model, self.config_file, self.port, backend, options_file)
         self.log_path = log_dir / "trainer.log"
         self.proc: subprocess.Popen[bytes] | None = None
         self.restarts = 0

@@ -147,13 +147,28 @@ def _done(fn: Callable[[], None]) -> dict[str, Any]:
     return {}
 
 
-def serve(model_dir: Path, config: TrainerConfig, host: str = "127.0.0.1", port: int = 8100) -> int:
-    """The reference trainer on ``model_dir`` served until SIGTERM or SIGINT."""
+def serve(
+    model_dir: Path,
+    config: TrainerConfig,
+    host: str = "127.0.0.1",
+    port: int = 8100,
+    backend: str = "reference",
+    options: Any = None,
+) -> int:
+    """The trainer of ``backend`` (reference, megatron: with its ``MegatronOptions``) on
+    ``model_dir``, served until SIGTERM or SIGINT."""
     import uvicorn
 
-    from pearl.trainer.reference import ReferenceTrainer
+    trainer: Trainer
+    if backend == "megatron":
+        from pearl.trainer.megatron.trainer import MegatronTrainer
 
-    app = build_app(ReferenceTrainer(model_dir, config))
+        trainer = MegatronTrainer.start(model_dir, config, options)
+    else:
+        from pearl.trainer.reference import ReferenceTrainer
+
+        trainer = ReferenceTrainer(model_dir, config)
+    app = build_app(trainer, backend)
     uvicorn.run(  # idle connections outlive the client's (httpx drops its own after 5 s)
         app,
         host=host,

@@ -161,3 +161,22 @@ def test_the_elastic_jobs_payload_takes_the_configs_grace_and_reconnect_wait(
     assert (payload.reconnect_s, payload.grace_s, payload.engine_host) == (90.0, 12.0, "node")
     with pytest.raises(InputError, match=r"slurm\.reconnect_s"):
         load_run_config(_with(tmp_path, slurm__reconnect_s=-1))
+
+
+@pytest.mark.parametrize(
+    ("trainer", "field", "problem"),
+    [
+        ({"backend": "megatron", "process": False}, "trainer.process", "its own process"),
+        ({"megatron": {"seed": 1}}, "trainer.megatron", "backend 'megatron' only"),
+        ({"backend": "megatron", "megatron": {"compute_dtype": "float16"}}, "trainer", "float16"),
+    ],
+)
+def test_the_megatron_trainer_is_configured_in_its_process(
+    tmp_path: Path, trainer: dict[str, object], field: str, problem: str
+) -> None:
+    path = _with(tmp_path, **{f"trainer__{k}": v for k, v in trainer.items()})
+    with pytest.raises(InputError) as err:
+        load_run_config(path)
+    assert field in str(err.value) and problem in str(err.value), err.value
+    ok, _ = load_run_config(_with(tmp_path, trainer__backend="megatron"))
+    assert ok.trainer.backend == "megatron" and ok.trainer.megatron.spec == "auto"

@@ -155,3 +155,29 @@ def test_metrics_from_the_wire_keep_nan_and_name_a_bad_field() -> None:
     assert math.isnan(metrics.loss) and math.isinf(metrics.grad_norm) and metrics.kl is None
     with pytest.raises(TrainerError, match="field 'tokens'"):
         metrics_of(good | {"tokens": "many"})
+
+
+def test_the_megatron_trainers_process_is_its_backend_with_its_options(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """``trainer.backend: megatron`` renders ``pearl trainer serve --backend megatron
+    --megatron FILE`` with the options; on a machine without CUDA (this one) the command
+    refuses in one line (exit 2), naming what it needs."""
+    import subprocess
+
+    from pearl.trainer.megatron.config import MegatronOptions
+
+    options = MegatronOptions(compute_dtype="float32", seed=3)
+    proc = TrainerProcess(tiny_model_dir, CONFIG, tmp_path / "logs", "megatron", options)
+    flag = proc.argv.index("--backend")
+    assert proc.argv[flag : flag + 2] == ["--backend", "megatron"]
+    options_file = Path(proc.argv[proc.argv.index("--megatron") + 1])
+    assert MegatronOptions.model_validate_json(options_file.read_text()) == options
+    assert "--backend" not in TrainerProcess(tiny_model_dir, CONFIG, tmp_path / "r").argv
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the refusal is for machines without one")
+    done = subprocess.run(proc.argv, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "--backend megatron" in done.stderr and (
+        "needs CUDA" in done.stderr or "not installed" in done.stderr
+    ), done.stderr
