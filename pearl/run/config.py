@@ -135,7 +135,7 @@ class TrainerSection(Frozen):
     def _megatron_in_its_process(self) -> TrainerSection:
         if self.backend == "megatron" and not self.process:
             raise ValueError("process: the megatron trainer runs in its own process (true)")
-        if self.backend != "megatron" and "megatron" in self.model_fields_set:
+        if self.backend != "megatron" and self.megatron != MegatronOptions():
             raise ValueError("megatron: options of backend 'megatron' only")
         return self
 

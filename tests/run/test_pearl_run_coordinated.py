@@ -123,18 +123,18 @@ def _children_of_run(run_dir: Path) -> list[str]:
 
 
 def test_a_run_killed_with_sigkill_leaves_no_process_and_resumes(tmp_path: Path) -> None:
-    """The embedded default, SIGKILLed after its second update: its engines and its
+    """The embedded default, SIGKILLed after its first update: its engines and its
     trainer die with it (``pearl.control.pdeath``), and the same command resumes the
     rollout, the trainer and the coordinator from their journals and checkpoints and
     trains to the end, every update committed once, in order."""
     out = tmp_path / "out"
-    argv = [sys.executable, "-m", "pearl.cli.main", "run", "--steps", "4", "--run-dir", "out"]
+    argv = [sys.executable, "-m", "pearl.cli.main", "run", "--steps", "3", "--run-dir", "out"]
     err = (tmp_path / "stderr.txt").open("wb")  # a file, not a pipe nobody reads meanwhile
     run = subprocess.Popen([*argv, "--json"], cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=err)
     try:
         deadline = time.monotonic() + 300
-        while not (out / "checkpoints" / "step-000002").exists():
-            assert run.poll() is None and time.monotonic() < deadline, "no second update"
+        while not (out / "checkpoints" / "step-000001").exists():
+            assert run.poll() is None and time.monotonic() < deadline, "no first update"
             time.sleep(0.1)
         assert _children_of_run(out)
         run.kill()
@@ -150,12 +150,12 @@ def test_a_run_killed_with_sigkill_leaves_no_process_and_resumes(tmp_path: Path)
     logged = len((out / "events.jsonl").read_text().splitlines())
     again = _pearl(*argv[3:], "--json", cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert sorted(p.name for p in (out / "checkpoints").iterdir())[-1] == "step-000004"
+    assert sorted(p.name for p in (out / "checkpoints").iterdir())[-1] == "step-000003"
     rollout = [json.loads(line) for line in (out / "rollout.jsonl").read_text().splitlines()]
     versions = [r["policy_version"] for r in rollout if r["type"] == "train_step"]
-    assert versions == [1, 2, 3, 4], versions  # (one logged at the resume, if unreported)
+    assert versions == [1, 2, 3], versions  # (one logged at the resume, if unreported)
     taken = [r["batch_id"] for r in rollout if r["type"] == "batch_consumed"]
-    assert sorted(set(taken)) == [0, 1, 2, 3], taken  # each batch taken (again from the spool)
+    assert sorted(set(taken)) == [0, 1, 2], taken  # each batch taken (again from the spool)
     events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
     resumed = [r for r in events[logged:] if r["type"] == "decision"]
     assert resumed and resumed[0]["mandatory"], resumed[:1]  # engines placed again

@@ -53,7 +53,7 @@ pytest.importorskip("mpi4py")
 pytestmark = pytest.mark.fault  # alone: pytest -m fault
 
 EXAMPLE = REPO / "examples" / "runs" / "dev-cluster.yaml"
-STEPS = 7
+STEPS = 6
 
 
 @pytest.fixture(scope="module")
