@@ -238,6 +238,8 @@ class Coordinator:
         for aid, request in wanted.items():
             if not self.backend.reattach(request, aid):
                 self._lost.append(AllocationEnded(allocation_id=aid, reason=EndReason.LOST))
+                if self.gate is not None:  # a held grant of it must not come back
+                    self.gate.drop(aid)
 
     def tick(self) -> Decision:
         now_s = self.clock()

@@ -183,6 +183,10 @@ class GrantGate:
                 del self._held[aid]
         return out, give_up
 
+    def drop(self, allocation_id: str) -> None:
+        """Forget a held grant (its allocation is gone)."""
+        self._held.pop(allocation_id, None)
+
     def hold(self, grants: Iterable[AllocationGranted], now_s: float) -> None:
         """Hold ``grants`` from ``now_s`` on, as if Slurm had just granted them."""
         for grant in grants:

@@ -116,8 +116,8 @@ def observe(state: ClusterState, obs: Observation, now_s: float) -> ClusterState
                     submitted_at_s=now_s,
                 )
         elif isinstance(ev, AllocationGranted):
-            if old is not None and old.status is AllocationStatus.GRANTED:
-                continue
+            if old is not None and old.status in (AllocationStatus.GRANTED, AllocationStatus.ENDED):
+                continue  # granted already, or ended: a late grant does not revive it
             allocations[ev.allocation_id] = _granted(ev, old, now_s)
             known = {g.gpu_id for g in gpus}
             gpus += [g for g in _gpus_of(ev) if g.gpu_id not in known]

@@ -154,3 +154,18 @@ def test_a_resumed_grant_waits_for_its_agents_again_and_comes_back_whole() -> No
         AllocationEnded(allocation_id="el0000", reason="no agent")
     ]
     assert suspended_grants(build_state(Layout(1, 1, 0))) == (build_state(Layout(1, 1, 0)), [])
+
+
+def test_a_held_grant_of_an_allocation_found_lost_does_not_revive_it() -> None:
+    from pearl.core.state import AllocationStatus
+
+    held, grants = suspended_grants(build_state(Layout(1, 1, 1)))
+    gate = GrantGate(join_timeout_s=30.0)
+    gate.hold(grants, 100.0)
+    gate.drop("el0000")  # the coordinator's reattach found the job gone
+    (node,) = {n.node for n in grants[0].nodes}
+    assert gate.filter([], [LiveAgent(node)], 101.0) == ([], [])
+    lost = AllocationEnded(allocation_id="el0000", reason="lost")
+    after = observe(held, Observation(events=(lost, grants[0])), 101.0)  # a late grant too
+    assert after.allocation_by_id["el0000"].status is AllocationStatus.ENDED
+    assert not [g for g in after.gpus if g.allocation_id == "el0000"]
