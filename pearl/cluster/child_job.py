@@ -9,10 +9,12 @@ given ``stop_wait_s`` to do so, then the job is requeued with the same arguments
 next incarnation resumes from the run directory (journal, checkpoints, spool).
 
 A child killed by a signal it could not handle (``kill -9``, the kernel's OOM killer, a
-crash) is started again in the same allocation, from the same run directory, at most
-``max_restarts`` times per incarnation: the run resumes from its books as after a requeue,
-without waiting for Slurm. A child that exits by itself (0, or its own status for a
-failure, or ``128+N`` for a signal it handled) ends the job with that status.
+crash: ``RESTART_SIGNALS``) is started again in the same allocation, from the same run
+directory, at most ``max_restarts`` times per incarnation: the run resumes from its books
+as after a requeue, without waiting for Slurm. A child that exits by itself (0, or its own
+status for a failure, or ``128+N`` for a signal it handled) or dies of another signal
+(a SIGTERM before it set its handlers: ``scancel`` during its start) ends the job with
+that status.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ import submitit
 from submitit.helpers import Checkpointable, DelayedSubmission
 from submitit.slurm.slurm import _make_sbatch_string
 
+# the deaths a child is restarted after: killed (kill -9, the OOM killer) or crashed
+RESTART_SIGNALS = frozenset({signal.SIGKILL, signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT})
 REQUEUE_MARGIN_S = 20.0  # of the warning, left for submitit's requeue after the child stops
 
 
@@ -46,9 +50,9 @@ class ChildJob(Checkpointable):
         for restart in range(self.max_restarts + 1):
             self._child = subprocess.Popen(self.command(*argv))
             code = self._child.wait()
-            if code >= 0 or self._stopping or restart == self.max_restarts:
+            if not restarts_after(code) or self._stopping or restart == self.max_restarts:
                 break
-            why = signal.Signals(-code).name if -code in signal.valid_signals() else -code
+            why = signal.Signals(-code).name
             print(
                 f"pearl {argv[0]} killed by {why}: starting it again from its run directory "
                 f"(restart {restart + 1} of {self.max_restarts})",
@@ -69,6 +73,11 @@ class ChildJob(Checkpointable):
             except subprocess.TimeoutExpired:
                 child.kill()
         return DelayedSubmission(ChildJob(self.stop_wait_s, self.max_restarts), *argv)
+
+
+def restarts_after(code: int) -> bool:
+    """Whether a child that ended with ``code`` (``Popen``'s: -N for signal N) is restarted."""
+    return code < 0 and -code in {s.value for s in RESTART_SIGNALS}
 
 
 @dataclass(frozen=True)

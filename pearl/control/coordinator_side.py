@@ -431,6 +431,7 @@ class ControlServer:
                 old.channel.error = old.channel.error or "replaced"
                 old.channel.close()
             self._unauth.remove(conn)
+            self._retire_replaced(hello)
             conn.agent_id = hello.agent_id
             self._conns[hello.agent_id] = conn
             self.agents[hello.agent_id] = AgentInfo(
@@ -450,6 +451,26 @@ class ControlServer:
                 missed_heartbeats=self.missed_heartbeats,
             )
         )
+
+    def _retire_replaced(self, hello: Hello) -> None:
+        """Marks gone, with no event, the live agents of ``hello``'s node and job that it
+        replaces: an agent restarted by its job's payload joins under a new id while the
+        old one may not yet have missed its heartbeats. Its ``dead`` event, later, would
+        take the workers the new one starts (the ``joined`` event already accounts for
+        the old one's: those the new one did not report are lost)."""
+        for aid, info in self.agents.items():
+            same = info.node == hello.node and info.job_id == hello.job_id
+            if aid == hello.agent_id or not same or info.state is not AgentState.ALIVE:
+                continue
+            info.state, info.reason = AgentState.GONE, f"replaced by {hello.agent_id}"
+            old = self._conns.pop(aid, None)
+            if old is not None:
+                old.channel.error = old.channel.error or info.reason
+                old.channel.close()
+            for p in self._pending.values():
+                if p.agent_id == aid and p.ack is None and p.failure is None:
+                    p.failure = f"agent {aid} {info.reason}"
+            log.info("agent %s %s", aid, info.reason)
 
     def _refuse(self, conn: _Conn, reason: str, flush: bool = False) -> None:
         """Drop a connection that has not said a valid hello (event ``refused``)."""

@@ -38,16 +38,19 @@ has no such edge. ``engine_url`` is a worker's base URL (``http://HOST:PORT``, `
 the agent's ack of a start or a wake reports for the router. A worker whose process ends
 by itself (a crash, an OOM kill, ``kill -9``) is found by ``exited`` (polled by the agent
 every heartbeat) and forgotten: the agent reports it (``WorkersExited``) and the coordinator
-takes it out of its state and of the router.
+takes it out of its state and of the router. What is left of its process group (vLLM's
+engine core outlives an API server killed by ``kill -9``, and holds the GPU) is killed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
@@ -221,6 +224,9 @@ class ProcessWorkers:
     log_dir: str | None = None
     host: str = "127.0.0.1"  # where the agent reaches its engines: the URLs its acks report
     procs: dict[str, _Proc] = field(default_factory=dict)
+    # guards ``procs`` against ``exited`` (the agent's main thread) and a stop (a command
+    # thread) taking the same worker
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def url(self, worker_id: str, path: str) -> str:
         return f"http://{self.host}:{self.procs[worker_id].port}{path}"
@@ -252,13 +258,15 @@ class ProcessWorkers:
         """Ready (or asleep, draining, switching) workers whose process has ended without a
         stop; one that exits while it starts fails its start instead."""
         out: dict[str, int] = {}
-        for wid, p in list(self.procs.items()):
-            code = p.proc.poll()
-            if code is None or p.state.phase is Phase.STARTING or self.procs.get(wid) is not p:
-                continue
-            del self.procs[wid]
-            p.state = replace(p.state, phase=Phase.GONE)
-            out[wid] = code
+        with self._lock:
+            for wid, p in list(self.procs.items()):
+                code = p.proc.poll()
+                if code is None or p.state.phase is Phase.STARTING:
+                    continue
+                del self.procs[wid]
+                p.state = replace(p.state, phase=Phase.GONE)
+                out[wid] = code
+                _kill_group(p.proc.pid)  # its children (vLLM's engine core) hold the GPU
         return out
 
     def healthy(self, worker_id: str, timeout: float = 1.0) -> bool:
@@ -372,22 +380,41 @@ class ProcessWorkers:
             raise WorkerError(f"{worker_id} still has {running:g} requests running")
 
     def _stop(self, worker_id: str, budget_s: float) -> None:
-        p = self.procs[worker_id]
-        p.state = moved(p.state, Phase.STOPPING)
-        del self.procs[worker_id]
+        with self._lock:
+            p = self.procs.get(worker_id)
+            if p is None:  # ``exited`` took it meanwhile
+                raise WorkerError(f"no worker {worker_id} on this node")
+            p.state = moved(p.state, Phase.STOPPING)
+            del self.procs[worker_id]
         if p.proc.poll() is None:
-            os.killpg(p.proc.pid, signal.SIGTERM)
+            _signal_group(p.proc.pid, signal.SIGTERM)
             try:
                 p.proc.wait(timeout=max(0.05, budget_s * 0.8))
             except subprocess.TimeoutExpired:
-                os.killpg(p.proc.pid, signal.SIGKILL)
+                _signal_group(p.proc.pid, signal.SIGKILL)
                 p.proc.wait()
+        _kill_group(p.proc.pid)  # what its leader left behind
         p.state = moved(p.state, Phase.GONE)
 
     def stop_all(self, budget_s: float) -> None:
         end = time.monotonic() + budget_s
+        with self._lock:
+            procs = list(self.procs.values())
+        for p in procs:
+            if p.proc.poll() is None:
+                _signal_group(p.proc.pid, signal.SIGTERM)
         for wid in list(self.procs):
-            if self.procs[wid].proc.poll() is None:
-                os.killpg(self.procs[wid].proc.pid, signal.SIGTERM)
-        for wid in list(self.procs):
-            self._stop(wid, max(0.05, end - time.monotonic()))
+            with contextlib.suppress(WorkerError):  # ``exited`` took it meanwhile
+                self._stop(wid, max(0.05, end - time.monotonic()))
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    """``sig`` to a worker's process group (its leader is the worker), if any is left."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def _kill_group(pgid: int) -> None:
+    """SIGKILL to what is left of an ended worker's process group: a leader killed by
+    ``kill -9`` leaves its children (vLLM's engine core, holding the GPU) running."""
+    _signal_group(pgid, signal.SIGKILL)

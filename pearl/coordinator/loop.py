@@ -33,6 +33,7 @@ sleeps except ``run``.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -69,6 +70,7 @@ from pearl.core.state import AllocationKind, AllocationStatus, ClusterState, End
 from pearl.core.workload import WorkloadSnapshot
 from pearl.io.documents import parse, read_document
 
+log = logging.getLogger(__name__)
 WorkloadSource = Callable[[], WorkloadSnapshot]
 TrainerSource = Callable[[], TrainerStatus]  # the trainer's phase (``pearl.run.control``)
 Clock = Callable[[], float]
@@ -251,12 +253,12 @@ class Coordinator:
             trainer=self.trainer(),
             workload=self.workload(),
         )
-        self._forget_lost(obs.events)
         self._write_agents()  # before a plan that may take a while, and after it
         profile = self.profile  # once: another thread may replace it (pearl run's calibration)
         t0 = time.perf_counter()
         d = decide(self.state, obs, self.config.policy, profile, now_s)
         decide_s = time.perf_counter() - t0
+        self._forget_lost(self.state, d.state, obs.events)
         self.decisions += 1
         self._record(d.state, now_s)
         self.log.decision(d, now_s, decide_s)
@@ -351,14 +353,27 @@ class Coordinator:
         except KeyError:
             return None
 
-    def _forget_lost(self, events: Iterable[Event]) -> None:
-        """The router forgets the workers the state drops: their engines died, their
-        agent left, their node went."""
+    def _forget_lost(
+        self, before: ClusterState, after: ClusterState, events: Iterable[Event]
+    ) -> None:
+        """The router forgets the workers the observation dropped from the state: their
+        engines died, their agent left (``WorkersLost``, with its reason), their
+        allocation ended (preempted, lost, timed out)."""
         if self.control is None:
             return
+        gone = {w.worker_id for w in before.workers} - {w.worker_id for w in after.workers}
+        told: list[tuple[tuple[str, ...], str]] = []
         for ev in events:
-            if isinstance(ev, WorkersLost):
-                self.control.workers_lost(ev.worker_ids, ev.reason)
+            if isinstance(ev, WorkersLost) and gone.intersection(ev.worker_ids):
+                told.append((tuple(w for w in ev.worker_ids if w in gone), ev.reason))
+                gone.difference_update(ev.worker_ids)
+        if gone:
+            told.append((tuple(sorted(gone)), "their allocation ended"))
+        for worker_ids, reason in told:
+            try:
+                self.control.workers_lost(worker_ids, reason)
+            except Exception:  # the router finds them failing, later; the run goes on
+                log.exception("telling the router %s are lost failed", ", ".join(worker_ids))
 
     def _agent_events(self, now_s: float) -> list[Event]:
         if self.control is None:

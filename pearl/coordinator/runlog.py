@@ -12,7 +12,8 @@ What is logged: the GPU, worker and allocation changes of each new state
 a ``decision`` record when a decision plans, asks for or releases allocations, or lends
 or returns GPUs, and otherwise at most once every ``quiet_decision_interval_s`` (each
 with the wall time decide() took, ``decide_s``, over the ``decide_calls`` it covers: the
-quiet decisions not logged before it included, so that their sum is decide()'s time);
+quiet decisions not logged before it included, so that their sum is decide()'s time; the
+last quiet one is logged at close, with those after the last record);
 ``borrow`` records (``lend``, ``return`` when decided, ``returned`` when the state no
 longer has the window); a ``plan_step`` record per step executed; ``run_ended`` when the
 run ends (not when a signal stops this incarnation: the next one continues).
@@ -52,6 +53,7 @@ class CoordinatorLog:
         self._quiet_s = quiet_decision_interval_s
         self._last_decision_s: float | None = None
         self._unlogged_decide_s, self._unlogged_calls = 0.0, 0  # decisions not logged
+        self._unlogged: tuple[Decision, float] | None = None  # the last one, and when
         if fresh:
             self._writer.write(
                 RunStarted.model_construct(
@@ -111,6 +113,7 @@ class CoordinatorLog:
             self._last_decision_s = now_s
             calls, spent_s = 0, 0.0
         self._unlogged_calls, self._unlogged_decide_s = calls, spent_s
+        self._unlogged = (d, now_s) if calls else None
         borrow = self._borrows.record(now_s, d)
         if borrow is not None:
             self._writer.write(borrow)
@@ -131,7 +134,13 @@ class CoordinatorLog:
             )
 
     def close(self, now_s: float, ended: str | None) -> None:
-        """Flush and close; ``ended`` is the reason the run ended, None if it goes on."""
+        """Flush and close; ``ended`` is the reason the run ended, None if it goes on. The
+        quiet decisions since the last record are logged first, in the last one's record."""
+        if self._unlogged is not None:
+            d, t = self._unlogged
+            spent_s = self._unlogged_decide_s
+            self._writer.write(decision_record(t, POLICY, d, spent_s, self._unlogged_calls))
+            self._unlogged, self._unlogged_calls, self._unlogged_decide_s = None, 0, 0.0
         if ended is not None:
             self._writer.write(RunEnded.model_construct(t=now_s, reason=ended))
         self._writer.close()

@@ -121,12 +121,15 @@ class StepUpdate(BaseModel):
         return None
 
 
+MAX_REASON_CHARS = 2000  # of a ``LostWorkers`` reason
+
+
 class LostWorkers(BaseModel):
     """Workers the coordinator's state dropped (``POST /pearl/workers_lost``)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     worker_ids: tuple[Annotated[StrictStr, Field(min_length=1)], ...] = Field(max_length=4096)
-    reason: StrictStr = Field(default="", max_length=2000)
+    reason: StrictStr = Field(default="", max_length=MAX_REASON_CHARS)
 
 
 class PlanSteps:

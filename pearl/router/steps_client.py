@@ -19,7 +19,7 @@ import httpx
 
 from pearl.control.messages import ControlAction
 from pearl.core.plan import PlanStep
-from pearl.router.plan_steps import StepPhase, concerns_router
+from pearl.router.plan_steps import MAX_REASON_CHARS, StepPhase, concerns_router
 
 if TYPE_CHECKING:
     from pearl.control.execute import PlanStepResult
@@ -67,8 +67,10 @@ class RouterSteps:
         )
 
     def workers_lost(self, worker_ids: tuple[str, ...], reason: str) -> None:
-        """Workers the coordinator's state dropped: out of the router's table."""
-        self.post({"worker_ids": list(worker_ids), "reason": reason}, self.lost_url)
+        """Workers the coordinator's state dropped: out of the router's table (the reason
+        cut to what the route takes: an agent's report can be longer)."""
+        body = {"worker_ids": list(worker_ids), "reason": reason[:MAX_REASON_CHARS]}
+        self.post(body, self.lost_url)
 
     # -- posting -----------------------------------------------------------------------
 

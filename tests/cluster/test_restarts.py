@@ -14,22 +14,27 @@ import pytest
 
 from pearl.cluster.child_job import ChildJob
 
-# each run appends a line to the marker file, then kills itself until it has KILLS lines
+# each run appends a line to the marker file, then kills itself with the signal named
+# (SIGKILL unless a 4th argument says) until it has KILLS lines
 SCRIPT = (
     "import os, signal, sys; p = sys.argv[1]; kills = int(sys.argv[2]);"
+    "sig = signal.Signals[sys.argv[4] if len(sys.argv) > 4 else 'SIGKILL'];"
     "n = len(open(p).read().splitlines()) if os.path.exists(p) else 0;"
     "open(p, 'a').write('run\\n');"
-    "os.kill(os.getpid(), signal.SIGKILL) if n < kills else sys.exit(int(sys.argv[3]))"
+    "os.kill(os.getpid(), sig) if n < kills else sys.exit(int(sys.argv[3]))"
 )
 
 
 class _Scripted(ChildJob):
-    def __init__(self, marker: Path, kills: int, code: int = 0, **kw: float) -> None:
+    def __init__(
+        self, marker: Path, kills: int, code: int = 0, sig: str = "SIGKILL", **kw: float
+    ) -> None:
         super().__init__(**kw)  # type: ignore[arg-type]
-        self.marker, self.kills, self.code = marker, kills, code
+        self.marker, self.kills, self.code, self.sig = marker, kills, code, sig
 
     def command(self, *argv: str) -> list[str]:
-        return [sys.executable, "-c", SCRIPT, str(self.marker), str(self.kills), str(self.code)]
+        marker, kills, code = str(self.marker), str(self.kills), str(self.code)
+        return [sys.executable, "-c", SCRIPT, marker, kills, code, self.sig]
 
 
 def _runs(marker: Path) -> int:
@@ -55,6 +60,10 @@ def test_restarts_are_bounded_and_an_exit_of_its_own_is_not_restarted(tmp_path: 
     with pytest.raises(RuntimeError, match="exited with status 143"):
         _Scripted(stopped, kills=0, code=143)("run")
     assert _runs(stopped) == 1
+    cancelled = tmp_path / "cancelled"  # SIGTERM before its handlers: scancel at its start
+    with pytest.raises(RuntimeError, match="exited with status -15"):
+        _Scripted(cancelled, kills=1, sig="SIGTERM")("run")
+    assert _runs(cancelled) == 1
 
 
 def test_an_agent_that_dies_is_started_again_and_the_allocation_kept(tmp_path: Path) -> None:

@@ -305,6 +305,32 @@ def test_an_engine_killed_under_its_agent_is_reported_exited(
         stop_all(procs)
 
 
+def test_an_agent_restarted_under_a_new_id_retires_the_old_one(
+    coord: Coordinator, tmp_path: Path
+) -> None:
+    """The job's payload restarts a dead agent under a new id, maybe before the old one
+    has missed its heartbeats: the old one is retired at the new one's hello, so its
+    death, noticed later, reports nothing (it would take the new one's workers)."""
+    procs = [start_agent(tmp_path, "old", "n0", "--gpus", "0", "--null-workers")]
+    try:
+        pid = coord.call("wait", n=1)["old"]["pid"]
+        os.kill(pid, signal.SIGSTOP)  # hung: alive to the coordinator for 1 s more
+        procs.append(start_agent(tmp_path, "new", "n0", "--gpus", "0", "--null-workers"))
+        end = time.monotonic() + 10
+        while coord.call("agents").get("new", {}).get("state") != "alive":
+            assert time.monotonic() < end, "the new agent never joined"
+            time.sleep(0.05)
+        os.kill(pid, signal.SIGKILL)
+        time.sleep(2.0)  # past the old one's heartbeats (5 x 0.2 s)
+        agents = coord.call("agents")
+        assert agents["old"]["state"] == "gone" and agents["old"]["reason"] == "replaced by new"
+        assert agents["new"]["state"] == "alive"
+        kinds = [e[:2] for e in coord.call("events")]
+        assert kinds == [["joined", "old"], ["joined", "new"]], kinds
+    finally:
+        stop_all(procs)
+
+
 def test_failed_plan_aborts_its_drains(coord: Coordinator, tmp_path: Path) -> None:
     """Two-phase role change: when the switch cannot happen, the drain is undone."""
     procs = [start_agent(tmp_path, "a0", "n0", "--null-workers")]

@@ -139,6 +139,44 @@ def test_a_worker_that_dies_by_itself_is_reported_once_and_forgotten(
     assert NullWorkers().exited() == {}
 
 
+def test_an_engine_killed_by_kill_9_takes_its_children_with_it(tmp_path: Path) -> None:
+    """vLLM's API server runs its engine core as a child, which holds the GPU: a
+    ``kill -9`` of the server leaves it running, so ``exited`` kills what is left of the
+    worker's process group."""
+    child_pid = tmp_path / "child.pid"
+    script = tmp_path / "engine.py"
+    script.write_text(
+        "import subprocess, sys, runpy\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+        f"open({str(child_pid)!r}, 'w').write(str(child.pid))\n"
+        "sys.argv = ['fake', '--port', sys.argv[1]]\n"
+        "runpy.run_module('pearl.engines.fake', run_name='__main__')\n"
+    )
+    w = ProcessWorkers({"*": [sys.executable, str(script), "{port}"]}, {"n0/0": 0})
+    try:
+        w.execute(_cmd(A.START, role=R.DECODE, gpu_ids=("n0/0",)))
+        pid = int(child_pid.read_text())
+        w.procs["w0"].proc.kill()
+        w.procs["w0"].proc.wait()
+        assert _alive(pid)  # the leader's death alone leaves the child running
+        assert w.exited() == {"w0": -9}
+        end = time.monotonic() + 10
+        while _alive(pid) and time.monotonic() < end:
+            time.sleep(0.02)
+        assert not _alive(pid)
+    finally:
+        w.stop_all(2.0)
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, killed but not yet reaped by init, does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
 def test_a_trainer_offloads_and_onloads(workers: ProcessWorkers) -> None:
     workers.execute(_cmd(A.START, "t0", role=R.TRAIN, gpu_ids=("n0/0",)))
     assert workers.procs["t0"].state.kind is WorkerKind.TRAINER

@@ -322,6 +322,43 @@ def test_a_plan_that_raises_leaves_no_plan_running(tmp_path: Path) -> None:
     assert '"action":"release"' not in (run_dir / "journal.jsonl").read_text()
 
 
+def test_a_router_that_cannot_be_told_of_a_lost_worker_stops_nothing(tmp_path: Path) -> None:
+    """An engine died: the state drops it even when telling the router fails (the router
+    finds it failing, later); the coordinator goes on."""
+    from control_fakes import AckingControl
+
+    from pearl.coordinator.reconcile import AgentEvent
+
+    class UnreachableRouter(AckingControl):
+        def __init__(self) -> None:
+            super().__init__()
+            self.pending: list[AgentEvent] = []
+            self.told: list[tuple[str, ...]] = []
+
+        def events(self) -> list[AgentEvent]:
+            out, self.pending = self.pending, []
+            return out
+
+        def workers_lost(self, worker_ids: tuple[str, ...], reason: str) -> None:
+            self.told.append(worker_ids)
+            raise RuntimeError("router: timed out")
+
+    control = UnreachableRouter()
+    times = itertools.count(0.0, 0.5)
+    coordinator = _open(tmp_path, clock=lambda: next(times), control=control)
+    try:
+        coordinator.executor.carry_out(_plan_decision(coordinator, 2.0), 2.0)
+        dead = coordinator.state.workers[0]
+        detail = f"{dead.worker_id} (-9)"
+        control.pending = [AgentEvent("exited", "a0", dead.node, detail, (dead.worker_id,))]
+        coordinator.tick()
+        assert control.told == [(dead.worker_id,)]
+        assert dead.worker_id not in {w.worker_id for w in coordinator.state.workers}
+    finally:
+        coordinator.close()
+    _kill_local_jobs(tmp_path / "run" / "jobs")
+
+
 def test_agents_router_url_is_checked(tmp_path: Path) -> None:
     """``agents.router_url`` names the router told of every plan step; a value that is not
     an http(s) URL is refused at load with the field named."""

@@ -68,15 +68,16 @@ def test_every_decides_wall_time_is_logged_the_quiet_ones_with_the_next_record(
     quiet = decide(state, Observation(), PolicyConfig(), load_profile("qwen3-8b"), 1.0)
     assert quiet.plan.empty and not quiet.elastic.requests
     log = CoordinatorLog(path, "r1", "qwen3-8b", None, 0.0, quiet_decision_interval_s=60.0)
-    for t, spent_s in ((1.0, 0.010), (2.0, 0.002), (3.0, 0.003), (61.0, 0.005)):
-        log.decision(quiet, t, spent_s)  # logged at 1 s, then quiet until 61 s
-    log.close(62.0, None)
+    timed = ((1.0, 0.010), (2.0, 0.002), (3.0, 0.003), (61.0, 0.005), (62.0, 0.004))
+    for t, spent_s in timed:
+        log.decision(quiet, t, spent_s)  # logged at 1 s, then quiet until 61 s, then 62 s
+    log.close(63.0, None)  # writes the last quiet one, with its time
     decisions = [r for r in read_records(path, ReadStats()) if r.type == "decision"]
-    assert [(r.t, r.decide_calls) for r in decisions] == [(1.0, 1), (61.0, 3)]  # type: ignore[union-attr]
-    assert [round(r.decide_s, 6) for r in decisions] == [0.010, 0.010]  # type: ignore[union-attr]
+    assert [(r.t, r.decide_calls) for r in decisions] == [(1.0, 1), (61.0, 3), (62.0, 1)]  # type: ignore[union-attr]
+    assert [round(r.decide_s, 6) for r in decisions] == [0.010, 0.010, 0.004]  # type: ignore[union-attr]
     pd = PdTimeline()
     for r in decisions:
         pd.handlers()["decision"](r)
-    summary = pd.summary(duration_s=62.0)
-    assert (summary["decide_calls"], summary["decide_s"]) == (4, 0.02)
-    assert summary["decide_ms_mean"] == 5.0 and summary["decide_share"] == round(0.02 / 62, 4)
+    summary = pd.summary(duration_s=63.0)
+    assert (summary["decide_calls"], summary["decide_s"]) == (5, 0.024)
+    assert summary["decide_ms_mean"] == 4.8 and summary["decide_share"] == round(0.024 / 63, 4)
