@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -91,6 +92,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     for module in ("torch", "fastapi", "uvicorn", "safetensors", "tokenizers", "rich"):
         require(module)
+    if config.engines.backend == "vllm" and shutil.which("vllm") is None:
+        problem = "`vllm` is not on PATH (engines.backend: vllm): pip install vllm"
+        raise InputError("<environment>", "vllm", problem)
     from pearl.agents.journal import JournalError
     from pearl.run.local import RunStateError, RunStopped
     from pearl.run.local import run as run_local

@@ -212,3 +212,12 @@ def _int(text: str, field: str, whole: str) -> int:
         return int(text)
     except ValueError:
         raise SlurmTextError(f"{field}: {whole!r} is not a number") from None
+
+
+def parse_restarts(scontrol_show_job: str) -> int:
+    """``Restarts=N`` of ``scontrol show job`` output (how often Slurm has requeued the
+    job: a requeue counts at once, while the incarnation it ends still runs)."""
+    found = re.search(r"\bRestarts=(\d+)\b", scontrol_show_job)
+    if found is None:
+        raise SlurmTextError("scontrol show job: no Restarts= field")
+    return int(found.group(1))

@@ -32,6 +32,8 @@ from typing import Any, Literal, TypeVar
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from pearl.engines.vllm_weights import METHOD as PUBLISHED_WEIGHTS_METHOD
+
 JsonDict = dict[str, Any]
 T = TypeVar("T")
 PauseMode = Literal["abort", "wait", "keep"]
@@ -289,9 +291,19 @@ class EngineClient:
             wait_s = max(wait_s, timeout_s)
         return await self._json("POST", "/collective_rpc", json_body=body, timeout_s=wait_s)
 
-    async def reload_weights(self, **kwargs: object) -> JsonDict:
-        """The engine reloads its weights (from its model path unless ``kwargs`` say else)."""
-        return await self.collective_rpc("reload_weights", kwargs=kwargs or None)
+    async def reload_weights(
+        self, weights_path: str | None = None, weight_version: int | None = None
+    ) -> JsonDict:
+        """The engine reloads its weights: from its model path (vLLM's ``reload_weights``),
+        or from ``weights_path``, a directory the trainer published (``load_published_weights``,
+        pearl's worker extension in vLLM, :mod:`pearl.engines.vllm_weights`; the reference
+        engine answers both)."""
+        if weights_path is None:
+            return await self.collective_rpc("reload_weights")
+        kwargs: dict[str, object] = {"weights_path": weights_path}
+        if weight_version is not None:
+            kwargs["weight_version"] = weight_version
+        return await self.collective_rpc(PUBLISHED_WEIGHTS_METHOD, kwargs=kwargs)
 
     async def init_weight_transfer_engine(self, init_info: JsonDict) -> None:
         await self._request(

@@ -19,7 +19,9 @@ Flags and variables as vLLM documents them (vllm-project/vllm, read with the sea
 ``/abort_requests``; commit 006ebac2), ``vllm/config/weight_transfer.py`` (``backend``), and
 the engine arguments page of docs.vllm.ai (``--host``, ``--max-model-len``,
 ``--gpu-memory-utilization``, ``--served-model-name``, ``--seed``,
-``--enable-prefix-caching``, ``--max-num-seqs``); ``engine_id`` in the KV transfer config
+``--enable-prefix-caching``, ``--max-num-seqs``, ``--worker-extension-cls``: pearl's
+weight sync from a directory, :mod:`pearl.engines.vllm_weights`); ``engine_id`` in the KV
+transfer config
 from ``vllm/config/kv_transfer.py`` (``../shared/REFERENCES.md``).
 """
 
@@ -29,6 +31,8 @@ import json
 import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+from pearl.engines.vllm_weights import EXTENSION
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,8 @@ class VllmServe:
     kv_side_channel_port: int | str | None = None  # VLLM_NIXL_SIDE_CHANNEL_PORT (5600)
     kv_side_channel_host: str | None = None  # VLLM_NIXL_SIDE_CHANNEL_HOST (localhost)
     weight_transfer_backend: str | None = None  # "nccl": trainer-pushed weights; None: off
+    # pearl's weight sync from a published directory (None: vLLM's workers as they are)
+    worker_extension_cls: str | None = EXTENSION
     served_model_name: str | None = None
     seed: int | None = None
     extra_args: tuple[str, ...] = ()  # appended as given
@@ -97,6 +103,8 @@ def render(spec: VllmServe, gpu_indices: Sequence[int]) -> tuple[list[str], dict
         argv += ["--kv-transfer-config", kv]
     if spec.weight_transfer_backend is not None:
         argv += ["--weight-transfer-config", _compact({"backend": spec.weight_transfer_backend})]
+    if spec.worker_extension_cls is not None:
+        argv += ["--worker-extension-cls", spec.worker_extension_cls]
     argv += spec.extra_args
     env = {"VLLM_SERVER_DEV_MODE": "1"}
     if gpu_indices:

@@ -92,9 +92,29 @@ class RolloutSection(Frozen):
         )
 
 
+class VllmEngineOptions(Frozen):
+    """How ``vllm serve`` runs each engine (``engines.backend: vllm``): one GPU (slot) per
+    engine, sleep mode on, NIXL for a disaggregated pair's KV, pearl's weight sync."""
+
+    gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] | None = Field(
+        None, description="Share of each GPU's memory vLLM takes (None: vLLM's 0.9)."
+    )
+    max_model_len: PosInt | None = Field(
+        None, description="Longest prompt plus output in tokens (None: the model's)."
+    )
+    extra_args: tuple[str, ...] = Field(
+        (), description="Arguments appended to `vllm serve` as given (e.g. --enforce-eager)."
+    )
+
+
 class EnginesSection(Frozen):
-    backend: Literal["reference"] = Field(
-        "reference", description="The CPU reference engine (vllm: with the Slurm run)."
+    backend: Literal["reference", "vllm"] = Field(
+        "reference",
+        description="pearl's CPU reference engine, or vLLM (`vllm serve` on each slot's GPU; "
+        "needs the coordinator and a CUDA machine with vllm installed).",
+    )
+    vllm: VllmEngineOptions = Field(
+        default_factory=VllmEngineOptions, description="vllm only: how `vllm serve` runs."
     )
     count: PosInt = Field(2, description="Engine instances.")
     mode: Literal["colocated", "disaggregated"] = Field(
@@ -102,13 +122,15 @@ class EnginesSection(Frozen):
         description="The PD configuration the run starts with (disaggregated: the first "
         "half of the instances prefill, the rest decode).",
     )
-    threads: PosInt = Field(1, description="torch threads per engine.")
+    threads: PosInt = Field(1, description="reference only: torch threads per engine.")
     max_num_seqs: PosInt = Field(64, description="Sequences an engine runs at once.")
 
     @model_validator(mode="after")
     def _pools(self) -> EnginesSection:
         if self.mode == "disaggregated" and self.count < 2:
             raise ValueError("count: disaggregated needs at least 2 engines")
+        if self.backend != "vllm" and self.vllm != VllmEngineOptions():
+            raise ValueError("vllm: options of backend 'vllm' only")
         return self
 
 
@@ -290,6 +312,8 @@ class RunConfig(Frozen):
     def _slurm_needs_the_coordinator(self) -> RunConfig:
         if self.cluster == "slurm" and not self.coordinator.enabled:
             raise ValueError("cluster: slurm needs coordinator.enabled (decide() asks Slurm)")
+        if self.engines.backend == "vllm" and not self.coordinator.enabled:
+            raise ValueError("engines.backend: vllm needs coordinator.enabled (plans start them)")
         return self
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 import socket
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -54,6 +55,7 @@ from pearl.io.atomic import write_text_atomic
 from pearl.io.documents import load_profile, parse, read_document
 from pearl.router.plan_steps import PlanSteps
 from pearl.router.router import Router
+from pearl.run import stop_signal
 from pearl.run.config import RunConfig, cluster_profile
 from pearl.run.control import (
     LocalControl,
@@ -64,10 +66,10 @@ from pearl.run.control import (
     TrainerSource,
     TrainerWorkers,
     Weights,
-    engine_argv,
     slot_cores,
 )
 from pearl.run.elastic import ScheduledBackend, compressed_windows
+from pearl.run.engine_command import engine_template
 
 if TYPE_CHECKING:
     from pearl.run.split_control import SplitControl
@@ -169,7 +171,7 @@ async def coordinator_running(
     ``RUN_DIR/calibration.json``, so a resumed run predicts with it from its first
     decision)."""
     clock = manager.now_s
-    c, e = config.coordinator, config.engines
+    c = config.coordinator
     slurm = config.cluster == "slurm"
     base = base or Path.cwd()  # the folder the config's relative paths start from
     cfg = coordinator_config(config, run_dir, model)
@@ -180,13 +182,11 @@ async def coordinator_running(
         slots += [f"{LOCAL_NODE}/{i}" for i in range(c.elastic_slots)]
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    extra: tuple[str, ...] = ("--max-num-seqs", str(e.max_num_seqs))
-    if slurm:  # reachable from the elastic nodes' engines (a disaggregated pair's KV)
-        extra = ("--host", "{host}", *extra)
     engines = LocalEngines(
-        {"*": engine_argv(model, e.threads, extra)},
+        {"*": engine_template(config, model)},
         {s: i for i, s in enumerate(slots)},
         log_dir=str(logs),
+        # on Slurm, reachable from the elastic nodes' engines (a disaggregated pair's KV)
         host=socket.gethostname() if slurm else "127.0.0.1",
         weights=weights,
         cores=slot_cores(slots),
@@ -256,14 +256,35 @@ async def coordinator_running(
     finally:
         stop.set()
         await asyncio.to_thread(thread.join)
-        co.close(None if stopped else "trained" if not failed else "failed")
-        restarting = stopped and slurm  # the elastic jobs and their agents wait for it
+        cancelled = stopped and slurm and await asyncio.to_thread(_cancelled)
+        co.close(ended_reason(stopped and not cancelled, cancelled, bool(failed)))
+        # a requeue (or Slurm's warning): the elastic jobs and their agents wait for the
+        # next incarnation; a cancel releases them
+        restarting = stopped and slurm and not cancelled
         if not restarting:
             await asyncio.to_thread(backend.close)
         await asyncio.to_thread(control.close, 15.0, restarting)
         manager.on_batch_completed = None
     if failed:
         raise RuntimeError(f"the coordinator's loop failed: {failed[0]}") from failed[0]
+
+
+def _cancelled() -> bool:
+    """Whether the signal that stopped the run ends its job for good: a SIGTERM (``scancel``,
+    the time limit) of a job Slurm is not requeueing (``pearl.cluster.own_job``). Slurm's
+    warning (USR2), SIGHUP, or a job Slurm cannot say about: not."""
+    if stop_signal.first() is not signal.SIGTERM:
+        return False
+    from pearl.cluster.own_job import requeued
+
+    return requeued() is False
+
+
+def ended_reason(goes_on: bool, cancelled: bool, failed: bool) -> str | None:
+    """The run log's ``run_ended`` reason; None when the next incarnation goes on."""
+    if goes_on:
+        return None
+    return "cancelled" if cancelled else "failed" if failed else "trained"
 
 
 class CalibrationState(Frozen):

@@ -47,6 +47,7 @@ from pearl.engines.reference.tiny import init_model
 from pearl.engines.reference.tokenizer import load
 from pearl.envs import registry
 from pearl.router.router import Router
+from pearl.run import stop_signal
 from pearl.run.config import RunConfig
 from pearl.run.control import TrainerSlot
 from pearl.run.coordinated import ROLLOUT_NODE, TRAINER_NODE, coordinator_running, until_serving
@@ -166,6 +167,15 @@ def trainer_config(config: RunConfig, run_dir: Path) -> TrainerConfig:
     return t.model_copy(update={"threads": threads, "offload_dir": offload_dir})
 
 
+def trainer_process(config: RunConfig, model: Path, run_dir: Path) -> TrainerProcess:
+    """``pearl trainer serve`` as the run starts it (not started yet): its backend, with its
+    options (``trainer.megatron``), and the run's optimiser settings."""
+    t = config.trainer
+    options = t.megatron if t.backend == "megatron" else None
+    optimizer = trainer_config(config, run_dir)
+    return TrainerProcess(model, optimizer, run_dir / "logs", t.backend, options)
+
+
 @contextlib.asynccontextmanager
 async def trainer_running(
     config: RunConfig, model: Path, run_dir: Path
@@ -176,9 +186,7 @@ async def trainer_running(
     if not config.trainer.process:
         yield ReferenceTrainer(model, optimizer), None
         return
-    t = config.trainer
-    options = t.megatron if t.backend == "megatron" else None
-    process = TrainerProcess(model, optimizer, run_dir / "logs", t.backend, options)
+    process = trainer_process(config, model, run_dir)
     try:
         await asyncio.to_thread(process.start)
         remote = RemoteTrainer(process.url)
@@ -457,8 +465,10 @@ def run(config: RunConfig, base: Path, show: bool = True) -> RunResult:
             if received:  # a second signal must not cut the first one's clean stop short
                 return
             received.append(sig)
+            stop_signal.note(sig)
             task.cancel()
 
+        stop_signal.clear()
         for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR2):  # USR2: Slurm's warning
             loop.add_signal_handler(sig, stop, sig)
         try:

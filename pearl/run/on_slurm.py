@@ -6,7 +6,8 @@ devices and runs what a local run runs (router, rollout manager, the trainer's p
 the base engines, the coordinator's loop). What changes is where elastic devices come
 from: ``decide()``'s requests go to ``SlurmBackend`` (``policy.elastic``: partition, GPU
 type, GPUs, time limit), each grant runs a node agent per node (``AgentPayload``) that
-starts reference engines on the node's GPUs when a plan says so, and the plans reach those
+starts the run's engines (``engines.backend``: reference or vLLM) on the node's GPUs when
+a plan says so, and the plans reach those
 agents over MPI (``pearl.run.split_control``). A grant counts once its agents have joined;
 one taken back by its owner is drained within ``slurm.grace_s``.
 
@@ -24,8 +25,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pearl.coordinator.config import AgentSection
-from pearl.engines.backend import EngineSection
 from pearl.run.config import RunConfig
+from pearl.run.engine_command import engine_section
 
 if TYPE_CHECKING:
     from pearl.cluster.slurm_backend import SlurmBackend
@@ -43,17 +44,14 @@ def run_id(config: RunConfig, run_dir: Path) -> str:
 
 
 def agent_section(config: RunConfig, model: Path) -> AgentSection:
-    """The elastic nodes' agents: reference engines of the run's model, as the run's own
-    engines are started (threads, sequences at once)."""
-    e, s = config.engines, config.slurm
-    engine = EngineSection(
-        backend="reference",
-        model=str(model),
-        max_num_seqs=e.max_num_seqs,
-        extra_args=("--threads", str(e.threads)),
-    )
+    """The elastic nodes' agents: engines of the run's model, started as the run's own
+    are (``pearl.run.engine_command``)."""
+    s = config.slurm
     return AgentSection(  # the router is in the run's job: on another node, on a cluster
-        engine=engine, engine_host="node", grace_s=s.grace_s, join_timeout_s=s.join_timeout_s
+        engine=engine_section(config, model),
+        engine_host="node",
+        grace_s=s.grace_s,
+        join_timeout_s=s.join_timeout_s,
     )
 
 

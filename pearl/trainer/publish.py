@@ -6,7 +6,8 @@
    (atomically: the engines never read half a directory);
 2. every engine the ``engines`` callable names at that moment (name -> URL: the router's
    instance table, say) reloads from it concurrently: ``POST /collective_rpc
-   {"method": "reload_weights", "kwargs": {"weights_path", "weight_version"}}``; tokens
+   {"method": "load_published_weights", "kwargs": {"weights_path", "weight_version"}}``
+   (``pearl.engines.vllm_weights`` in vLLM); tokens
    generated after the reload carry the new version;
 3. the version directories but the newest ``keep_versions`` are removed (every engine
    that reloaded has read its files by then).

@@ -132,3 +132,12 @@ def test_bad_output_names_the_line_and_field() -> None:
     with pytest.raises(SlurmTextError, match="line 1: time"):
         parse_squeue("1|PENDING|None|tomorrow||p|n|N/A|10:00\n")
     assert parse_sacct("") == []
+
+
+def test_restarts_come_from_scontrol_show_job() -> None:
+    from pearl.cluster.slurm_text import parse_restarts
+
+    text = "JobId=2 JobName=job.sh\n   Requeue=1 Restarts=1 BatchFlag=1 Reboot=0 ExitCode=0:0\n"
+    assert parse_restarts(text) == 1
+    with pytest.raises(SlurmTextError, match="no Restarts= field"):
+        parse_restarts("JobId=2 JobName=job.sh")

@@ -137,6 +137,42 @@ def test_owner_preempts_elastic_after_grace_with_signal(cluster: DevCluster) -> 
         assert cluster.sacct_state(job_id) == "PREEMPTED"
 
 
+OWN_JOB = """
+import signal, sys, time
+from pathlib import Path
+from pearl.cluster.own_job import requeued
+out = Path(sys.argv[1])
+def on_term(signum, frame):
+    out.write_text(str(requeued()))
+    sys.exit(0)
+signal.signal(signal.SIGTERM, on_term)
+out.with_suffix(".started").write_text("1")
+time.sleep(120)
+"""
+
+
+def test_a_job_tells_a_requeue_from_a_cancel(cluster: DevCluster) -> None:
+    """Both get SIGTERM; ``pearl.cluster.own_job.requeued`` tells them apart (the run keeps
+    its elastic jobs across a requeue and releases them when cancelled)."""
+    script = cluster.work / "own_job.py"
+    script.write_text(OWN_JOB)
+    outs = {what: cluster.work / f"own-job-{what}.txt" for what in ("cancel", "requeue")}
+    jobs = {
+        what: cluster.sbatch(
+            "-p", "train", "--requeue", "-t", "5", "-o", "/dev/null",
+            "--wrap", f"exec {sys.executable} {script} {out}",
+        )  # fmt: skip
+        for what, out in outs.items()
+    }
+    started = [out.with_suffix(".started") for out in outs.values()]
+    wait_for(lambda: all(p.exists() for p in started), 30, "the jobs to start", cluster)
+    cluster.run("scancel", jobs["cancel"])
+    cluster.run("scontrol", "requeue", jobs["requeue"])
+    wait_for(lambda: all(p.exists() for p in outs.values()), 30, "their SIGTERM", cluster)
+    assert {w: p.read_text() for w, p in outs.items()} == {"cancel": "False", "requeue": "True"}
+    cluster.run("scancel", jobs["requeue"])  # requeued, pending: not needed again
+
+
 def test_srun_mpi_pmi2_two_ranks_on_two_nodes(cluster: DevCluster) -> None:
     try:
         import mpi4py  # noqa: F401

@@ -10,7 +10,9 @@ lists them with their fields):
   ``GET /is_sleeping``;
 - vLLM's RL routes: ``POST /pause?mode=abort|wait|keep``, ``POST /resume``,
   ``GET /is_paused``, ``POST /abort_requests``, ``POST /reset_prefix_cache``,
-  ``POST /collective_rpc`` (``reload_weights``), and the weight push
+  ``POST /collective_rpc`` (``reload_weights``, and ``load_published_weights``, the method
+  pearl's worker extension adds to vLLM: both take ``weights_path`` and
+  ``weight_version``), and the weight push
   (``/init_weight_transfer_engine``, ``/start_weight_update``, ``/update_weights``,
   ``/finish_weight_update``; see :mod:`.weights_push`).
 
@@ -50,7 +52,10 @@ from pearl.engines.reference.sequence import RemoteKV, SamplingParams, Seq
 from pearl.engines.reference.streaming import deltas
 from pearl.engines.reference.tool_calls import parse_tool_calls
 from pearl.engines.reference.transfer import TransferError, pull
+from pearl.engines.vllm_weights import METHOD as PUBLISHED_WEIGHTS_METHOD
 from pearl.io.documents import InputError
+
+RPC_METHODS = ("reload_weights", PUBLISHED_WEIGHTS_METHOD)  # of POST /collective_rpc
 
 
 def _sse(obj: Any) -> bytes:
@@ -407,10 +412,9 @@ def build_app(inst: Instance) -> FastAPI:
     async def collective_rpc(request: Request) -> dict[str, Any]:
         body = await inst.json_body(request)
         method = body.get("method")
-        if method != "reload_weights":
-            raise BadRequestError(
-                f"method: {method!r} is not supported (reload_weights is)", "method"
-            )
+        if method not in RPC_METHODS:
+            known = " and ".join(RPC_METHODS)
+            raise BadRequestError(f"method: {method!r} is not supported ({known} are)", "method")
         kwargs = body.get("kwargs") or {}
         if not isinstance(kwargs, dict):
             raise BadRequestError("kwargs: an object is required", "kwargs")
