@@ -157,11 +157,9 @@ def test_a_job_tells_a_requeue_from_a_cancel(cluster: DevCluster) -> None:
     script = cluster.work / "own_job.py"
     script.write_text(OWN_JOB)
     outs = {what: cluster.work / f"own-job-{what}.txt" for what in ("cancel", "requeue")}
+    options = ("-p", "train", "--requeue", "-t", "5", "-o", "/dev/null", "--wrap")
     jobs = {
-        what: cluster.sbatch(
-            "-p", "train", "--requeue", "-t", "5", "-o", "/dev/null",
-            "--wrap", f"exec {sys.executable} {script} {out}",
-        )  # fmt: skip
+        what: cluster.sbatch(*options, f"exec {sys.executable} {script} {out}")
         for what, out in outs.items()
     }
     started = [out.with_suffix(".started") for out in outs.values()]
