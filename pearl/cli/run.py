@@ -35,6 +35,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         action="store_true",
         help="with --cluster slurm: submit the run as a Slurm job (submitit) and print its id",
     )
+    p.add_argument(
+        "--rollout-agent",
+        action="store_true",
+        help="with slurm.rollout: the node agent of one node of the run's job's second "
+        "component (slurm/pearl-run.sbatch starts it there)",
+    )
     p.add_argument("--folder", default="runs/jobs", help="--submit: submitit's job folder")
     p.add_argument("--json", action="store_true", help="print only the summary JSON")
     p.add_argument(
@@ -85,6 +91,8 @@ def run(args: argparse.Namespace) -> int:
     if config.cluster == "slurm" and not args.print_config:
         for module in ("mpi4py", "submitit"):  # the agents' control plane, Slurm's jobs
             require(module)
+    if args.rollout_agent:
+        return rollout_agent(config, base)
     if args.submit:
         return submit(args, config)
     if args.print_config:
@@ -95,6 +103,10 @@ def run(args: argparse.Namespace) -> int:
     if config.engines.backend == "vllm" and shutil.which("vllm") is None:
         problem = "`vllm` is not on PATH (engines.backend: vllm): pip install vllm"
         raise InputError("<environment>", "vllm", problem)
+    if config.cluster == "slurm":  # the rollout nodes it names are the job's second part
+        from pearl.run.rollout_nodes import check_heterogeneous
+
+        check_heterogeneous(config)
     from pearl.agents.journal import JournalError
     from pearl.run.local import RunStateError, RunStopped
     from pearl.run.local import run as run_local
@@ -114,11 +126,31 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def rollout_agent(config: Any, base: Path) -> int:
+    """``--rollout-agent``: this node's agent of the run's rollout nodes
+    (``pearl.run.rollout_nodes``), until the run ends or Slurm stops the job."""
+    if config.cluster != "slurm":
+        problem = "--rollout-agent needs --cluster slurm (or cluster: slurm)"
+        raise InputError("<command line>", "--rollout-agent", problem)
+    require("mpi4py")
+    from pearl.run.rollout_nodes import rollout_agent as payload
+
+    run_dir = (base / config.run_dir).resolve()
+    model = (base / config.model.dir).resolve() if config.model.dir else run_dir / "model"
+    return payload(config, run_dir, model)()
+
+
 def submit(args: argparse.Namespace, config: Any) -> int:
     """``--submit``: the run's job on Slurm (``pearl.run.submit``); prints its job id."""
     if config.cluster != "slurm" or args.config is None:
         problem = "--submit needs a configuration file and --cluster slurm (or cluster: slurm)"
         raise InputError("<command line>", "--submit", problem)
+    if config.slurm.rollout is not None:
+        problem = (
+            "submitit cannot submit the heterogeneous job slurm.rollout asks for: "
+            "sbatch [run options] : [rollout options] slurm/pearl-run.sbatch CONFIG"
+        )
+        raise InputError(args.config, "slurm.rollout", problem)
     require("submitit")
     from pearl.cluster.child_job import submit as submit_job
     from pearl.run.submit import run_job_spec

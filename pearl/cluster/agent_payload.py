@@ -47,6 +47,7 @@ class AgentPayload:
     reconnect_s: float = 600.0  # how long to wait for a requeued coordinator
     engine_host: str = "loopback"  # or "node": engines on the node's name, for other nodes
     max_agent_restarts: int = 3  # of an agent that died (not one the coordinator lost)
+    node: str | None = None  # the node's name to the coordinator (None: SLURMD_NODENAME)
 
     def command(self, node: str, gpus: str, job_id: str | None = None) -> list[str]:
         logs = Path(self.run_dir) / "logs"
@@ -65,7 +66,7 @@ class AgentPayload:
         return cmd
 
     def __call__(self) -> int:
-        node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+        node = self.node or os.environ.get("SLURMD_NODENAME") or socket.gethostname()
         gpus = os.environ.get("CUDA_VISIBLE_DEVICES", "")
         procs: list[subprocess.Popen[bytes]] = []
         signalled: list[int] = []

@@ -248,6 +248,18 @@ class SlurmJob(Frozen):
     max_requeues: NonNegInt = Field(100, description="Incarnations after the first at most.")
 
 
+class RolloutNodes(Frozen):
+    """The base rollout's own nodes: the second component of the run's heterogeneous job
+    (``sbatch ... : ... slurm/pearl-run.sbatch``; submitit cannot submit one), a node agent
+    on each serving the run's engines (``pearl.run.rollout_nodes``)."""
+
+    partition: str = Field("train", min_length=1, description="Partition of the component.")
+    nodes: PosInt = Field(1, description="Its nodes.")
+    gpu_type: str = Field("h800", min_length=1, description="Their GPU type (gres type).")
+    gpus_per_node: PosInt = Field(4, description="The GPUs of each node the job holds.")
+    cpus_per_task: PosInt = Field(2, description="CPUs of each node's agent (one task).")
+
+
 class SlurmSection(Frozen):
     """Elastic allocations on Slurm (``cluster: slurm``): the policy's elastic section
     names the partition, the GPU type, the GPUs per allocation and the time limit; this
@@ -286,6 +298,11 @@ class SlurmSection(Frozen):
         "its agent ends and the allocation with it.",
     )
     job: SlurmJob = Field(default_factory=SlurmJob)
+    rollout: RolloutNodes | None = Field(
+        None,
+        description="Base rollout nodes of their own, the run's job's second component "
+        "(None: the base rollout is the job's own slots only).",
+    )
 
 
 class RunConfig(Frozen):
@@ -352,6 +369,13 @@ def cluster_profile(
             "name the profile's type that stands for it in slurm.profile_gpu_types"
         )
         raise InputError(where, "coordinator.policy.elastic.gpu_type", problem)
+    rollout = config.slurm.rollout
+    if rollout is not None and rollout.gpu_type not in gpus:
+        problem = (
+            f"{rollout.gpu_type!r} has no costs in profile {config.coordinator.profile!r}: "
+            "name the profile's type that stands for it in slurm.profile_gpu_types"
+        )
+        raise InputError(where, "slurm.rollout.gpu_type", problem)
     if elastic.rule != "never" and elastic.gpu_type not in config.slurm.gpus_per_node:
         known = ", ".join(sorted(config.slurm.gpus_per_node))
         problem = f"{elastic.gpu_type!r} is not in slurm.gpus_per_node ({known})"

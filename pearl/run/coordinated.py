@@ -108,9 +108,16 @@ def coordinator_config(
     """The coordinator of the run: on this machine's slots, with elastic slots on
     ``localhost``, or (``cluster: slurm``) with Slurm's elastic jobs and their agents."""
     c = config.coordinator
+    rollout: tuple[BaseNode, ...] = (
+        BaseNode(name=ROLLOUT_NODE, gpu_type=SLOT_TYPE, num_gpus=c.rollout_slots),
+    )
+    if config.cluster == "slurm":  # and the nodes of the job's second component, if any
+        from pearl.run.rollout_nodes import rollout_base_nodes
+
+        rollout += rollout_base_nodes(config)
     base = BaseJob(
         trainer=(BaseNode(name=TRAINER_NODE, gpu_type=SLOT_TYPE, num_gpus=c.trainer_slots),),
-        rollout=(BaseNode(name=ROLLOUT_NODE, gpu_type=SLOT_TYPE, num_gpus=c.rollout_slots),),
+        rollout=rollout,
         asleep_engines=c.asleep_engines,
     )
     common = {
@@ -205,6 +212,16 @@ async def coordinator_running(
     except BaseException:  # no engine outlives a failed start
         await asyncio.to_thread(engines.stop_all, 15.0)
         raise
+    if slurm and config.slurm.rollout is not None:  # the base rollout's agents, first
+        from pearl.run.rollout_nodes import wait_for_rollout_agents
+
+        try:
+            await asyncio.to_thread(wait_for_rollout_agents, config, control, run_dir)
+        except BaseException:
+            co.close(None)
+            await asyncio.to_thread(control.close, 15.0, True)
+            await asyncio.to_thread(engines.stop_all, 15.0)
+            raise
     aio = asyncio.get_running_loop()
 
     calibration = read_calibration(run_dir / CALIBRATION_FILE)  # a resumed run's, or none

@@ -6,6 +6,7 @@ the run's job is what the config's ``slurm.job`` says; the agents' engines are t
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -180,3 +181,44 @@ def test_the_megatron_trainer_is_configured_in_its_process(
     assert field in str(err.value) and problem in str(err.value), err.value
     ok, _ = load_run_config(_with(tmp_path, trainer__backend="megatron"))
     assert ok.trainer.backend == "megatron" and ok.trainer.megatron.spec == "auto"
+
+
+ROLLOUT = {"partition": "train", "nodes": 2, "gpu_type": "h800", "gpus_per_node": 4}
+
+
+def test_rollout_nodes_are_the_base_jobs_and_need_a_heterogeneous_job(tmp_path: Path) -> None:
+    """``slurm.rollout``: its nodes join the base job's rollout as ``rollout-1..N``; its GPU
+    type must be costed; outside a heterogeneous job the run, ``--submit`` (submitit cannot
+    submit one) and ``--rollout-agent`` each refuse in one line, exit 2."""
+    from pearl.run.coordinated import coordinator_config
+    from pearl.run.rollout_nodes import check_heterogeneous, rollout_agent
+
+    with pytest.raises(InputError, match=r"slurm\.rollout\.gpu_type: 'h800' has no costs"):
+        load_run_config(_with(tmp_path, slurm__rollout=ROLLOUT))
+    types = {"h20": "cpu", "h800": "cpu"}
+    path = _with(tmp_path, slurm__rollout=ROLLOUT, slurm__profile_gpu_types=types)
+    config, _ = load_run_config(path)
+    cfg = coordinator_config(config, tmp_path / "out", tmp_path / "model")
+    nodes = [(n.name, n.gpu_type, n.num_gpus) for n in cfg.base.rollout]
+    assert nodes == [("rollout", "cpu", 2), ("rollout-1", "h800", 4), ("rollout-2", "h800", 4)]
+    check_heterogeneous(config, {"SLURM_JOB_NUM_NODES_HET_GROUP_1": "2"})
+    with pytest.raises(InputError, match="has 1 nodes, not 2"):
+        check_heterogeneous(config, {"SLURM_JOB_NUM_NODES_HET_GROUP_1": "1"})
+    payload = rollout_agent(config, tmp_path / "out", tmp_path / "model", {"SLURM_NODEID": "1"})
+    assert payload.node == "rollout-2" and payload.gpu_type == "h800"
+    assert payload.engine_host == "node" and "engine serve" in payload.engines[0]
+    for extra, problem in (
+        ((), "slurm.rollout: the run's job has no second component"),
+        (("--submit",), "slurm.rollout: submitit cannot submit the heterogeneous job"),
+        (("--rollout-agent",), "--rollout-agent: not a task of the job's second component"),
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "pearl.cli.main", "run", str(path), "--steps", "1", *extra],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={k: v for k, v in os.environ.items() if not k.startswith("SLURM_")},
+        )
+        assert done.returncode == 2, (extra, done.stderr)
+        (line,) = done.stderr.strip().splitlines()
+        assert problem in line, (extra, line)

@@ -3,6 +3,8 @@ warning and resumes its journal; the heterogeneous base job starts both componen
 
 from __future__ import annotations
 
+import contextlib
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -121,3 +123,60 @@ def test_pearl_run_sbatch_trains_and_requeues_itself_on_the_warning(
     assert state == "COMPLETED", out[-3000:]
     assert versions() == [1, 2, 3], out[-3000:]
     assert "stopped by SIGUSR2; the same command resumes it" in out
+
+
+def _records(path: Path) -> list[dict[str, object]]:
+    out = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        with contextlib.suppress(json.JSONDecodeError):  # a line being written
+            out.append(json.loads(line))
+    return out
+
+
+def test_pearl_run_sbatch_as_a_heterogeneous_job_serves_on_its_rollout_node(
+    cluster: DevCluster, tmp_path: Path
+) -> None:
+    """``sbatch [run] : [rollout] slurm/pearl-run.sbatch CONFIG`` with ``slurm.rollout``: the
+    second component's node runs an agent (``--rollout-agent``), the plans start engines
+    there (``rollout-1``) and they serve turns while the run trains; then ``scancel`` ends
+    the run for good (``run_ended``: cancelled) instead of leaving it to a requeue."""
+    for module in ("torch", "mpi4py", "submitit"):
+        pytest.importorskip(module)
+    config = tmp_path / "run.yaml"
+    rollout = {"partition": "train", "nodes": 1, "gpu_type": "h800", "gpus_per_node": 2}
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "run_dir": "out",
+                "cluster": "slurm",
+                "env": {"name": "single_digit", "operators": "+", "max_turns": 1},
+                "rollout": {"group_size": 4, "batch_trajectories": 64, "max_tokens": 16},
+                "trainer": {"steps": 50},  # scancel comes first
+                "coordinator": {"decision_interval_s": 0.5},  # elastic rule: never
+                "slurm": {"profile_gpu_types": {"h20": "cpu", "h800": "cpu"}, "rollout": rollout},
+            }
+        ),
+        encoding="utf-8",
+    )
+    run = ("-w", "h800-1", "--gres=gpu:h800:3", "-o", str(tmp_path / "run-%j.out"))
+    nodes = ("-p", "train", "-w", "h800-2", "--gres=gpu:h800:2", "-o", str(tmp_path / "agent.out"))
+    script = (str(REPO / "slurm" / "pearl-run.sbatch"), str(config))
+    job_id = cluster.sbatch(*run, ":", *nodes, *script)
+    out = tmp_path / "out"
+
+    def served_there() -> int:
+        turns = [r for r in _records(out / "rollout.jsonl") if r["type"] == "turn_ended"]
+        return sum(any(str(w).startswith("e-rollout-1-") for w in t["served_by"]) for t in turns)  # type: ignore[union-attr]
+
+    def trained() -> int:
+        return sum(r["type"] == "train_step" for r in _records(out / "rollout.jsonl"))
+
+    wait_for(lambda: served_there() > 0 and trained() > 0, 240, "turns on rollout-1", cluster)
+    agents = json.loads((out / "agents.json").read_text())
+    assert any(a["node"] == "rollout-1" and a["state"] == "alive" for a in agents), agents
+    cluster.run("scancel", job_id)
+    state = cluster.wait_sacct(job_id, {"CANCELLED", "COMPLETED", "FAILED"}, timeout=60)
+    assert state == "CANCELLED"
+    wait_for(lambda: _records(out / "events.jsonl")[-1]["type"] == "run_ended", 30, "its end")
+    assert _records(out / "events.jsonl")[-1]["reason"] == "cancelled"
+    print(f"rollout-1 served {served_there()} turns; {trained()} updates before the scancel")
