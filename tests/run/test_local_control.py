@@ -305,3 +305,83 @@ def test_a_hand_made_plan_over_real_engines_moves_the_router(
 
     asyncio.run(main())
     assert engines.worker_ids() == ()
+
+
+@pytest.mark.fault
+def test_a_forced_return_moves_the_turns_in_flight_on_the_lent_slot(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The trainer's slot is lent (the trainer offloaded, an engine started there) and
+    serves long turns beside the base rollout's engine; the batch is ready, so the slot
+    is taken back as a forced return plans it (migrate, sleep, onload: drain would take
+    the turns' whole length) while turns are in flight on it. Each of those turns goes on
+    elsewhere with its tokens so far and ends whole; none is lost; the trainer has its
+    devices back within the policy's ``max_return_delay_s``."""
+    pytest.importorskip("torch")
+    from pearl.core.config import BorrowingConfig
+    from pearl.router.plan_steps import PlanSteps
+    from pearl.router.router import Router, Sampling, Turn
+    from pearl.trainer.reference import ReferenceTrainer
+
+    def at(sid: int, action: Action, worker: str, node: str, **kw: object) -> PlanStep:
+        role, deps = kw.get("role"), kw.get("deps", ())
+        gpus = kw.get("gpus", ())
+        return PlanStep(sid, action, worker, node, gpus, role, deps, 1.0, 0.0, "test")  # type: ignore[arg-type]
+
+    trainer = ReferenceTrainer(tiny_model_dir)
+    engines = LocalEngines(
+        {"*": engine_argv(tiny_model_dir, threads=1)},
+        {"trainer/0": 0, "rollout/0": 1},
+        log_dir=str(tmp_path),
+    )
+    slot = TrainerSlot(trainer)
+    max_return_delay_s = BorrowingConfig().max_return_delay_s
+    sampling = Sampling(max_tokens=1000, ignore_eos=True, seed=0)  # turns of seconds
+
+    async def main() -> tuple[list[list[str]], float]:
+        router = Router()
+        listener = RouterListener(PlanSteps(router), asyncio.get_running_loop())
+        server = LocalServer(["trainer", "rollout"], engines, TrainerWorkers(slot))
+        c = LocalControl(server, listener, min_deadline_s=60.0)
+        try:
+            slot0, base0, c_, idle = ("trainer/0",), ("rollout/0",), Role.COLOCATED, Role.IDLE
+            lend = plan(
+                at(0, Action.START, "e-rollout-0", "rollout", role=c_, gpus=base0),
+                at(1, Action.OFFLOAD, "t0", "trainer", role=Role.IDLE, gpus=slot0),
+                at(2, Action.START, "e-trainer-0", "trainer", role=c_, deps=(1,), gpus=slot0),
+            )
+            out = await asyncio.to_thread(c.execute, lend)
+            assert out.ok, out.error
+            turns = [
+                asyncio.create_task(router.generate(Turn(f"t{i}", (1, 2, 3, 4 + i), sampling)))
+                for i in range(8)
+            ]
+            lent = router.table.get("e-trainer-0")
+            end = time.monotonic() + 30
+            while not lent.in_flight:  # turns on the lent slot
+                assert time.monotonic() < end, "no turn reached the lent slot"
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(0.3)  # mid-turn: some tokens generated there
+            back = plan(
+                at(0, Action.MIGRATE, "e-trainer-0", "trainer", gpus=slot0),
+                at(1, Action.SLEEP, "e-trainer-0", "trainer", role=idle, deps=(0,), gpus=slot0),
+                at(2, Action.ONLOAD, "t0", "trainer", role=Role.TRAIN, deps=(1,), gpus=slot0),
+            )
+            assert lent.in_flight, "the turns on the lent slot ended before its return"
+            t0 = time.monotonic()
+            out = await asyncio.to_thread(c.execute, back)
+            waited_s = time.monotonic() - t0
+            assert out.ok, out.error
+            outputs = await asyncio.gather(*turns)
+            assert all(len(o.token_ids) == sampling.max_tokens for o in outputs)
+            return [o.served_by for o in outputs], waited_s
+        finally:
+            await asyncio.to_thread(c.close, 10.0)
+            await router.aclose()
+
+    served_by, waited_s = asyncio.run(main())
+    moved = [s for s in served_by if "e-trainer-0" in s and s[-1] != "e-trainer-0"]
+    assert moved, served_by  # at least one turn was on the slot at the return and went on
+    assert not trainer.offloaded and (slot.offloads, slot.onloads) == (1, 1)
+    assert waited_s <= max_return_delay_s, waited_s
+    print(f"{len(moved)} of 8 turns moved off the lent slot; the trainer waited {waited_s:.2f} s")
