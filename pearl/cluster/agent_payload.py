@@ -3,8 +3,10 @@
 submitit runs it once per node (one task per node). It starts ``pearl agent`` under
 ``mpiexec`` (the agent must be an MPI process to connect to the coordinator; ``-launcher
 fork`` keeps Hydra from calling ``srun`` inside the job step) with the node's name
-(``SLURMD_NODENAME``), its GPUs (``CUDA_VISIBLE_DEVICES``, as Slurm's gres set it), so
-the agent registers the same GPU ids the coordinator's state has (``NODE/INDEX``), and its
+(``SLURMD_NODENAME``), its GPUs (``CUDA_VISIBLE_DEVICES``, as Slurm's gres set it, by
+position: ``NODE/0`` is the first device listed, whatever its number on a node without
+device cgroups), so the agent registers the same GPU ids the coordinator's state has
+(``NODE/INDEX``), and its
 job id as the backend names it (the coordinator matches agents to grants by it). The agent
 and its engines log to ``RUN_DIR/logs`` (``agent-ID.log``, ``WORKER.log``).
 
@@ -67,7 +69,10 @@ class AgentPayload:
 
     def __call__(self) -> int:
         node = self.node or os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-        gpus = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+        # the GPUs by their position in the job's CUDA_VISIBLE_DEVICES (NODE/0, NODE/1: the
+        # ids the grant has); the engines' workers map a position back to the device
+        visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d]
+        gpus = ",".join(str(i) for i in range(len(visible)))
         procs: list[subprocess.Popen[bytes]] = []
         signalled: list[int] = []
 

@@ -7,9 +7,11 @@ still runs with its own count in ``SLURM_RESTART_COUNT`` (unset in the first). M
 the dev cluster: ``scancel`` leaves ``Restarts=0`` in the first incarnation, ``scontrol
 requeue`` makes it 1 (both while the job is ``COMPLETING``).
 
-Slurm's warning (``--signal=USR2@...``) comes before the requeue its handler then asks
-for, so it says nothing here: the caller keeps its elastic jobs on USR2 whatever this
-says.
+A preemption with a grace time sends SIGTERM when the grace starts and requeues (if the
+partition's ``PreemptMode`` says so) only after it: ``PreemptTime`` set, this cannot say
+(None), and the caller keeps its elastic jobs. Slurm's warning (``--signal=USR2@...``)
+comes before the requeue its handler then asks for, so it says nothing here either: the
+caller keeps its elastic jobs on USR2 whatever this says.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import logging
 import os
 
 from pearl.cluster.slurm_backend import SlurmCommandError, run_command
-from pearl.cluster.slurm_text import SlurmTextError, parse_restarts
+from pearl.cluster.slurm_text import SlurmTextError, parse_restarts, preempted
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +33,13 @@ def requeued(environ: dict[str, str] | None = None) -> bool | None:
     if not job_id:
         return None
     try:
-        restarts = parse_restarts(run_command(["scontrol", "show", "job", job_id]))
+        shown = run_command(["scontrol", "show", "job", job_id])
+        restarts = parse_restarts(shown)
     except (SlurmCommandError, SlurmTextError) as err:
         log.warning("cannot tell whether job %s is requeued: %s", job_id, err)
         return None
-    return restarts > int(env.get("SLURM_RESTART_COUNT") or 0)
+    if restarts > int(env.get("SLURM_RESTART_COUNT") or 0):
+        return True
+    if preempted(shown):  # its requeue, if its partition's PreemptMode has one, comes later
+        return None
+    return False

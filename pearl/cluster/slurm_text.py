@@ -221,3 +221,10 @@ def parse_restarts(scontrol_show_job: str) -> int:
     if found is None:
         raise SlurmTextError("scontrol show job: no Restarts= field")
     return int(found.group(1))
+
+
+def preempted(scontrol_show_job: str) -> bool:
+    """Whether ``scontrol show job`` says the job is being preempted (``PreemptTime`` set:
+    Slurm signals it at the start of its grace time and requeues it only after)."""
+    found = re.search(r"\bPreemptTime=(\S+)", scontrol_show_job)
+    return found is not None and found.group(1) not in ("None", "Unknown")

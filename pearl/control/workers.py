@@ -5,9 +5,11 @@ template; ``{port}`` (its HTTP port), ``{kv_port}`` (a second free port, for the
 engine's KV side channel: NIXL's handshake), ``{host}`` (the address it listens on, ``host``),
 ``{role}`` and ``{worker_id}`` are filled in by
 ``str.format``, so literal braces are doubled) with ``CUDA_VISIBLE_DEVICES`` set to the
-local indices of the worker's GPUs, waits for ``GET /health``, and drives it over vLLM's
-HTTP routes through the one engine client (:mod:`pearl.engines.client`; one
-``asyncio.run`` per operation, as the agent's command threads are synchronous):
+worker's GPUs (their local indices, as positions in the agent's own
+``CUDA_VISIBLE_DEVICES`` where Slurm set one: ``visible_devices``), waits for
+``GET /health``, and drives it over vLLM's HTTP routes through the one engine client
+(:mod:`pearl.engines.client`; one ``asyncio.run`` per operation, as the agent's command
+threads are synchronous):
 ``POST /sleep``, ``POST /wake_up``, ``GET /metrics`` (``vllm:num_requests_running`` for
 drains), and ``POST /collective_rpc`` with ``{"method": "reload_weights"}`` for
 ``sync_weights`` (vLLM's dev-mode route, ``VLLM_SERVER_DEV_MODE=1``: the engine reloads the
@@ -320,7 +322,7 @@ class ProcessWorkers:
         fill["host"] = self.host  # the address it listens on: the one its URL names
         args = [a.format(**fill) for a in argv]
         args = pdeath.command(args)  # the engine dies with the agent
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(idx)}
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(visible_devices(idx))}
         out = (
             open(os.path.join(self.log_dir, f"{cmd.worker_id}.log"), "ab")  # noqa: SIM115
             if self.log_dir
@@ -406,6 +408,15 @@ class ProcessWorkers:
         for wid in list(self.procs):
             with contextlib.suppress(WorkerError):  # ``exited`` took it meanwhile
                 self._stop(wid, max(0.05, end - time.monotonic()))
+
+
+def visible_devices(positions: list[str], environ: dict[str, str] | None = None) -> list[str]:
+    """The devices at ``positions`` of this process's ``CUDA_VISIBLE_DEVICES`` (what Slurm
+    gave the job: ``4,5`` on a node without device cgroups, ``0,1`` with them, or UUIDs);
+    a position past its end, or with none set, is the device of that number."""
+    env = os.environ if environ is None else environ
+    given = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d]
+    return [given[int(p)] if int(p) < len(given) else p for p in positions]
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:

@@ -51,7 +51,9 @@ class Instance:
     scraped_waiting: int = 0  # vllm:num_requests_waiting at the last scrape
     scraped_running: int = 0
     kv_usage: float = 0.0
-    weight_version: int | None = None  # pearl:weight_version where the engine reports it
+    # the weights it serves: pearl:weight_version where the engine reports it (pearl's
+    # reference engine), else the version the last successful reload loaded (vLLM)
+    weight_version: int | None = None
     idle: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:
@@ -109,6 +111,9 @@ class InstanceTable:
         self._by_id: dict[str, Instance] = {}
         self._candidates: Candidates | None = None
         self.changed = asyncio.Event()  # set whenever an instance starts or stops accepting
+        # the latest weights published: what an engine added now serves (each loads them
+        # before the router takes it)
+        self.published_version: int | None = None
 
     def __iter__(self) -> Iterator[Instance]:
         return iter(self._by_id.values())
@@ -140,8 +145,18 @@ class InstanceTable:
         """A started engine: known, but it takes traffic only once :meth:`ready`."""
         if worker_id in self._by_id:
             raise ValueError(f"instance {worker_id} is already in the router's table")
-        inst = self._by_id[worker_id] = Instance(worker_id, url.rstrip("/"), role, engine=engine)
+        inst = self._by_id[worker_id] = Instance(
+            worker_id, url.rstrip("/"), role, engine=engine, weight_version=self.published_version
+        )
         return inst
+
+    def weights_loaded(self, worker_id: str, version: int) -> None:
+        """``worker_id`` reloaded the published ``version`` (the publisher says so); an
+        instance no longer in the table is nothing to note."""
+        self.published_version = max(version, self.published_version or version)
+        inst = self._by_id.get(worker_id)
+        if inst is not None:
+            inst.weight_version = version
 
     def serve(self, worker_id: str, url: str, role: Role) -> Instance:
         """An engine already healthy: added and ready at once (a fixed configuration)."""

@@ -228,7 +228,8 @@ class PlanSteps:
             if left is None:
                 log.warning("abort_drain of %s: not in the router's table, ignored", worker_id)
                 return Applied(None, f"{worker_id} is not in the router's table")
-            self.table.add(worker_id, left.url, left.role, engine=left.engine)
+            back = self.table.add(worker_id, left.url, left.role, engine=left.engine)
+            back.weight_version = left.weight_version  # it may have slept through a publish
         self.table.ready(worker_id)
         return Applied(StepEffect.JOIN, "ready again in its old role")
 

@@ -250,14 +250,15 @@ class SlurmJob(Frozen):
 
 class RolloutNodes(Frozen):
     """The base rollout's own nodes: the second component of the run's heterogeneous job
-    (``sbatch ... : ... slurm/pearl-run.sbatch``; submitit cannot submit one), a node agent
-    on each serving the run's engines (``pearl.run.rollout_nodes``)."""
+    (``sbatch ... : ... slurm/pearl-run.sbatch``; submitit cannot submit one; its
+    partition, CPUs and time are sbatch's options), a node agent on each serving the run's
+    engines (``pearl.run.rollout_nodes``)."""
 
-    partition: str = Field("train", min_length=1, description="Partition of the component.")
-    nodes: PosInt = Field(1, description="Its nodes.")
+    nodes: PosInt = Field(1, description="Its nodes (checked against the job's).")
     gpu_type: str = Field("h800", min_length=1, description="Their GPU type (gres type).")
-    gpus_per_node: PosInt = Field(4, description="The GPUs of each node the job holds.")
-    cpus_per_task: PosInt = Field(2, description="CPUs of each node's agent (one task).")
+    gpus_per_node: PosInt = Field(
+        4, description="The GPUs of each node the job holds (checked against its gres)."
+    )
 
 
 class SlurmSection(Frozen):

@@ -216,11 +216,13 @@ async def coordinator_running(
         from pearl.run.rollout_nodes import wait_for_rollout_agents
 
         try:
-            await asyncio.to_thread(wait_for_rollout_agents, config, control, run_dir)
-        except BaseException:
-            co.close(None)
-            await asyncio.to_thread(control.close, 15.0, True)
-            await asyncio.to_thread(engines.stop_all, 15.0)
+            await wait_for_rollout_agents(config, control, run_dir)
+        except BaseException as err:  # a signal keeps the elastic jobs; a timeout ends the run
+            stopped = isinstance(err, asyncio.CancelledError)
+            co.close(None if stopped else "failed")
+            if not stopped:
+                await asyncio.to_thread(backend.close)
+            await asyncio.to_thread(control.close, 15.0, stopped)
             raise
     aio = asyncio.get_running_loop()
 

@@ -275,6 +275,7 @@ async def run_local(config: RunConfig, base: Path, display: RunDisplay | None = 
             publisher = WeightPublisher(
                 run_dir / "weights",
                 lambda: {i.worker_id: i.url for i in router.table if i.phase is not Phase.GONE},
+                loaded=router.table.weights_loaded,
             )
             source = ManagerSource(manager)
             checkpoints = CheckpointDir(run_dir / "checkpoints")

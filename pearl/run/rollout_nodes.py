@@ -23,6 +23,7 @@ incarnation's agents join the next run.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 import time
@@ -83,6 +84,14 @@ def rollout_agent(
     if node_id is None or not node_id.isdigit():
         problem = "not a task of the job's second component (SLURM_NODEID is not set)"
         raise InputError("<environment>", "--rollout-agent", problem)
+    visible = [g for g in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if g]
+    if len(visible) != r.gpus_per_node:
+        problem = (
+            f"this node has {len(visible)} GPUs in the job (CUDA_VISIBLE_DEVICES="
+            f"{env.get('CUDA_VISIBLE_DEVICES', '')!r}), not {r.gpus_per_node}: set the "
+            "component's --gres to match"
+        )
+        raise InputError("<environment>", "slurm.rollout.gpus_per_node", problem)
     agents = agent_section(config, model)
     return AgentPayload(
         str(run_dir),
@@ -95,18 +104,18 @@ def rollout_agent(
     )
 
 
-def wait_for_rollout_agents(config: RunConfig, control: Any, run_dir: Path) -> None:
+async def wait_for_rollout_agents(config: RunConfig, control: Any, run_dir: Path) -> None:
     """Until an agent has joined on every rollout node (``control``: the run's
-    ``SplitControl``); a ``RuntimeError`` naming the missing ones after
-    ``slurm.join_timeout_s``."""
+    ``SplitControl``), polled on the run's event loop (a signal stops the wait); an
+    ``InputError`` naming the missing nodes after ``slurm.join_timeout_s``."""
     names = [n.name for n in rollout_base_nodes(config)]
     server = control.remote.server  # the MPI ControlServer the agents join
     end = time.monotonic() + config.slurm.join_timeout_s
     while missing := [n for n in names if server.agent_for_node(n) is None]:
         if time.monotonic() > end:
-            logs = run_dir / "logs"
-            raise RuntimeError(
-                f"slurm.rollout: no agent joined on {', '.join(missing)} within "
-                f"{config.slurm.join_timeout_s:g} s (their logs: {logs}/agent-*.log)"
+            problem = (
+                f"no agent joined on {', '.join(missing)} within "
+                f"{config.slurm.join_timeout_s:g} s (their logs: {run_dir / 'logs'}/agent-*.log)"
             )
-        time.sleep(0.2)
+            raise InputError("<environment>", "slurm.rollout", problem)
+        await asyncio.sleep(0.2)

@@ -7,8 +7,12 @@
 2. every engine the ``engines`` callable names at that moment (name -> URL: the router's
    instance table, say) reloads from it concurrently: ``POST /collective_rpc
    {"method": "load_published_weights", "kwargs": {"weights_path", "weight_version"}}``
-   (``pearl.engines.vllm_weights`` in vLLM); tokens
-   generated after the reload carry the new version;
+   (``pearl.engines.vllm_weights`` in vLLM); tokens generated after the reload carry the
+   new version. An engine that sleeps (``GET /is_sleeping``: a sleep step is under way;
+   its weights are off the GPU) is skipped: it loads the latest as it wakes. Each engine
+   that reloaded resets its prefix cache (``POST /reset_prefix_cache``) and is reported
+   to ``loaded`` (the router's table: the version its tokens carry where the engine does
+   not report one itself, as vLLM does not);
 3. the version directories but the newest ``keep_versions`` are removed (every engine
    that reloaded has read its files by then).
 
@@ -36,6 +40,7 @@ from pearl.trainer.protocol import Trainer
 log = logging.getLogger(__name__)
 
 _VERSION_DIR = re.compile(r"^v(\d{6})$")
+ASLEEP = "asleep"  # an engine skipped: it sleeps, and reloads the latest as it wakes
 
 
 @dataclass(frozen=True)
@@ -77,11 +82,13 @@ class WeightPublisher:
         *,
         keep_versions: int = 2,
         timeout_s: float = 120.0,
+        loaded: Callable[[str, int], None] | None = None,
     ) -> None:
         if keep_versions < 1:
             raise ValueError(f"keep_versions: at least 1, not {keep_versions}")
         self.weights_root = weights_root
         self.engines = engines
+        self.loaded = loaded  # told of each engine that reloaded: name, version
         self.keep_versions = keep_versions
         self.timeout_s = timeout_s
 
@@ -98,12 +105,16 @@ class WeightPublisher:
         failed = tuple(
             EngineFailure(name, url, err)
             for (name, url), err in zip(targets.items(), errors, strict=True)
-            if err is not None
+            if err is not None and err != ASLEEP
         )
         for f in failed:
             log.warning(
                 "engine %s (%s) did not reload version %d: %s", f.name, f.url, version, f.error
             )
+        if self.loaded is not None:
+            for name, err in zip(targets, errors, strict=True):
+                if err is None:
+                    self.loaded(name, version)
         prune_versions(self.weights_root, self.keep_versions)
         return PublishResult(
             version=version,
@@ -116,9 +127,13 @@ class WeightPublisher:
         )
 
     async def _reload(self, url: str, weights_dir: Path, version: int) -> str | None:
-        """None when the engine reloaded ``version``; else the error."""
+        """None when the engine reloaded ``version``; ``ASLEEP`` when it sleeps (its
+        weights are off the GPU: a sleep step is under way; it loads the latest as it
+        wakes); else the error."""
         try:
             async with EngineClient(url, timeout_s=self.timeout_s) as c:
+                if await c.is_sleeping():
+                    return ASLEEP
                 out = await c.reload_weights(weights_path=str(weights_dir), weight_version=version)
             results = out.get("results")
             got = results[0].get("weight_version") if isinstance(results, list) else None
@@ -128,4 +143,16 @@ class WeightPublisher:
             return f"{type(err).__name__}: {err}"
         if got is not None and got != version:
             return f"reloaded as version {got}, not {version}"
+        await reset_prefix_cache(url, self.timeout_s)
         return None
+
+
+async def reset_prefix_cache(url: str, timeout_s: float) -> None:
+    """``POST /reset_prefix_cache`` after a reload: the cached prefixes hold the old
+    weights' keys and values (pearl's reference engine resets its own at a reload, vLLM's
+    does not). A refusal (vLLM's, while requests run) is logged: the cache then ages out."""
+    try:
+        async with EngineClient(url, timeout_s=timeout_s) as c:
+            await c.reset_prefix_cache()
+    except Exception as err:  # the reload stands
+        log.warning("%s: POST /reset_prefix_cache after a reload failed: %s", url, err)

@@ -141,3 +141,13 @@ def test_restarts_come_from_scontrol_show_job() -> None:
     assert parse_restarts(text) == 1
     with pytest.raises(SlurmTextError, match="no Restarts= field"):
         parse_restarts("JobId=2 JobName=job.sh")
+
+
+def test_a_preemption_shows_in_scontrol_show_job() -> None:
+    from pearl.cluster.slurm_text import preempted
+
+    assert preempted(
+        "JobId=2 PreemptEligibleTime=2026-12-02T13:36:00 PreemptTime=2026-12-02T13:40:01"
+    )
+    assert not preempted("JobId=2 PreemptEligibleTime=2026-12-02T13:36:00 PreemptTime=None")
+    assert not preempted("JobId=2")

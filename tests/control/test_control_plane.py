@@ -285,10 +285,12 @@ def test_an_engine_killed_under_its_agent_is_reported_exited(
         steps = [
             {"step_id": i, "worker_id": f"e{i}", "gpu_ids": [f"n0/{i}"], **start} for i in (0, 1)
         ]
-        assert coord.call("execute", steps=steps)["ok"]
+        assert coord.call("execute", steps=steps[:1])["ok"]
+        first = _fake_children(agents["k0"]["pid"])
+        assert coord.call("execute", steps=steps[1:])["ok"]
         engines = _fake_children(agents["k0"]["pid"])
         assert len(engines) == 2
-        killed = max(engines)  # the second started
+        (killed,) = set(engines) - set(first)  # e1's (not the larger pid: pids wrap)
         os.kill(killed, signal.SIGKILL)
         end, events = time.monotonic() + 10, []
         while not any(e[0] == "exited" for e in events):
@@ -297,7 +299,7 @@ def test_an_engine_killed_under_its_agent_is_reported_exited(
             events += coord.call("events")
         (exited,) = [e for e in events if e[0] == "exited"]
         assert exited[1] == "k0" and exited[3] == ["e1"] and "e1 (-9)" in exited[2], exited
-        assert _fake_children(agents["k0"]["pid"]) == [min(engines)]
+        assert _fake_children(agents["k0"]["pid"]) == first
         assert coord.call("agents")["k0"]["state"] == "alive"  # the agent goes on
         again = [{**steps[1], "step_id": 2}]  # its id and GPU are free again
         assert coord.call("execute", steps=again)["ok"]

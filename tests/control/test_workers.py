@@ -407,3 +407,16 @@ def test_an_engine_on_the_nodes_name_listens_there_and_its_url_says_so(tmp_path:
     argv = AgentPayload(str(tmp_path), "h20", engine_host="node").command("n1", "0")
     assert argv[argv.index("--engine-host") + 1] == host
     assert "--engine-host" not in AgentPayload(str(tmp_path), "h20").command("n1", "0")
+
+
+def test_a_workers_gpus_are_positions_in_the_jobs_visible_devices() -> None:
+    """Slurm lists the job's devices (``4,5`` on a node without device cgroups): the
+    worker on the job's second GPU gets device 5, not 1; without a list, the number."""
+    from pearl.control.workers import visible_devices
+
+    assert visible_devices(["1"], {"CUDA_VISIBLE_DEVICES": "4,5"}) == ["5"]
+    assert visible_devices(["0", "1"], {"CUDA_VISIBLE_DEVICES": "GPU-a,GPU-b"}) == [
+        "GPU-a",
+        "GPU-b",
+    ]
+    assert visible_devices(["1"], {}) == ["1"]

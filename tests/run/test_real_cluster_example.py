@@ -92,6 +92,8 @@ def test_the_runs_job_asks_for_the_configs_devices(tmp_path: Path) -> None:
 
 
 def test_without_vllm_the_run_refuses_in_one_line() -> None:
+    pytest.importorskip("mpi4py")  # cluster: slurm needs the slurm extra first
+    pytest.importorskip("submitit")
     if shutil.which("vllm") is not None:
         pytest.skip("vllm is installed here: the refusal is for machines without it")
     done = subprocess.run(

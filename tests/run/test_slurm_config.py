@@ -183,13 +183,16 @@ def test_the_megatron_trainer_is_configured_in_its_process(
     assert ok.trainer.backend == "megatron" and ok.trainer.megatron.spec == "auto"
 
 
-ROLLOUT = {"partition": "train", "nodes": 2, "gpu_type": "h800", "gpus_per_node": 4}
+ROLLOUT = {"nodes": 2, "gpu_type": "h800", "gpus_per_node": 4}
 
 
 def test_rollout_nodes_are_the_base_jobs_and_need_a_heterogeneous_job(tmp_path: Path) -> None:
     """``slurm.rollout``: its nodes join the base job's rollout as ``rollout-1..N``; its GPU
-    type must be costed; outside a heterogeneous job the run, ``--submit`` (submitit cannot
-    submit one) and ``--rollout-agent`` each refuse in one line, exit 2."""
+    type must be costed, its GPUs those Slurm gave; outside a heterogeneous job the run,
+    ``--submit`` (submitit cannot submit one) and ``--rollout-agent`` each refuse in one
+    line, exit 2."""
+    pytest.importorskip("mpi4py")  # cluster: slurm needs the slurm extra first
+    pytest.importorskip("submitit")
     from pearl.run.coordinated import coordinator_config
     from pearl.run.rollout_nodes import check_heterogeneous, rollout_agent
 
@@ -204,8 +207,11 @@ def test_rollout_nodes_are_the_base_jobs_and_need_a_heterogeneous_job(tmp_path: 
     check_heterogeneous(config, {"SLURM_JOB_NUM_NODES_HET_GROUP_1": "2"})
     with pytest.raises(InputError, match="has 1 nodes, not 2"):
         check_heterogeneous(config, {"SLURM_JOB_NUM_NODES_HET_GROUP_1": "1"})
-    payload = rollout_agent(config, tmp_path / "out", tmp_path / "model", {"SLURM_NODEID": "1"})
+    task = {"SLURM_NODEID": "1", "CUDA_VISIBLE_DEVICES": "0,1,2,3"}
+    payload = rollout_agent(config, tmp_path / "out", tmp_path / "model", task)
     assert payload.node == "rollout-2" and payload.gpu_type == "h800"
+    with pytest.raises(InputError, match="this node has 2 GPUs in the job"):
+        rollout_agent(config, tmp_path, tmp_path, {**task, "CUDA_VISIBLE_DEVICES": "0,1"})
     assert payload.engine_host == "node" and "engine serve" in payload.engines[0]
     for extra, problem in (
         ((), "slurm.rollout: the run's job has no second component"),

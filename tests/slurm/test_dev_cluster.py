@@ -152,23 +152,34 @@ time.sleep(120)
 
 
 def test_a_job_tells_a_requeue_from_a_cancel(cluster: DevCluster) -> None:
-    """Both get SIGTERM; ``pearl.cluster.own_job.requeued`` tells them apart (the run keeps
-    its elastic jobs across a requeue and releases them when cancelled)."""
+    """All three get SIGTERM; ``pearl.cluster.own_job.requeued`` tells a requeue (True)
+    from a cancel (False), and says it cannot tell (None) for a preemption in its grace
+    time (Slurm requeues only after, if the partition's PreemptMode says so): the run
+    keeps its elastic jobs unless it is cancelled."""
     script = cluster.work / "own_job.py"
     script.write_text(OWN_JOB)
-    outs = {what: cluster.work / f"own-job-{what}.txt" for what in ("cancel", "requeue")}
-    options = ("-p", "train", "--requeue", "-t", "5", "-o", "/dev/null", "--wrap")
+    kinds = ("cancel", "requeue", "preempt")
+    outs = {what: cluster.work / f"own-job-{what}.txt" for what in kinds}
+    train = ("-p", "train", "--requeue", "-t", "5", "-o", "/dev/null", "--wrap")
+    elastic = ("-p", "elastic", "-w", "h20-1", "--exclusive", "--requeue", "-t", "5", "-o")
+    elastic = (*elastic, "/dev/null", "--wrap")
     jobs = {
-        what: cluster.sbatch(*options, f"exec {sys.executable} {script} {out}")
+        what: cluster.sbatch(
+            *(elastic if what == "preempt" else train),
+            f"exec {sys.executable} {script} {out}",
+        )
         for what, out in outs.items()
     }
     started = [out.with_suffix(".started") for out in outs.values()]
     wait_for(lambda: all(p.exists() for p in started), 30, "the jobs to start", cluster)
+    owner = ("-p", "owner", "-w", "h20-1", "--exclusive", "-t", "1", "-o", "/dev/null")
+    cluster.sbatch(*owner, "--wrap", "sleep 1")  # takes the node back
     cluster.run("scancel", jobs["cancel"])
     cluster.run("scontrol", "requeue", jobs["requeue"])
-    wait_for(lambda: all(p.exists() for p in outs.values()), 30, "their SIGTERM", cluster)
-    assert {w: p.read_text() for w, p in outs.items()} == {"cancel": "False", "requeue": "True"}
-    cluster.run("scancel", jobs["requeue"])  # requeued, pending: not needed again
+    wait_for(lambda: all(p.exists() for p in outs.values()), GRACE_S + 30, "the SIGTERMs", cluster)
+    told = {w: p.read_text() for w, p in outs.items()}
+    assert told == {"cancel": "False", "requeue": "True", "preempt": "None"}
+    cluster.run("scancel", jobs["requeue"], jobs["preempt"])  # not needed again
 
 
 def test_srun_mpi_pmi2_two_ranks_on_two_nodes(cluster: DevCluster) -> None:

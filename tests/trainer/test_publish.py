@@ -111,3 +111,32 @@ def test_published_weights_reach_the_engine(
     assert (_model_logprobs(trainer.model, output) - engine_lp).abs().max() < TOL
     before = PolicyModel.from_dir(tiny_model_dir)  # the update did change them
     assert (_model_logprobs(before, output) - engine_lp).abs().max() > 1e-2
+
+
+def test_a_sleeping_engine_is_skipped_and_the_reloaded_are_told(
+    engine: EngineProc, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """An engine asleep (a sleep step under way: its weights are off the GPU, in vLLM) is
+    not reloaded, nor counted failed; it loads the latest as it wakes. Each engine that
+    reloaded is reported (the router's table notes the version its tokens carry)."""
+    trainer = ReferenceTrainer(tiny_model_dir)
+    told: list[tuple[str, int]] = []
+    publisher = WeightPublisher(
+        tmp_path / "weights",
+        lambda: {"t0": engine.url},
+        timeout_s=10,
+        loaded=lambda name, version: told.append((name, version)),
+    )
+
+    async def main() -> tuple[Any, Any]:
+        async with EngineClient(engine.url) as c:
+            await c.sleep(1)
+            try:
+                asleep = await publisher.publish(trainer)
+            finally:
+                await c.wake_up()
+        return asleep, await publisher.publish(trainer)
+
+    asleep, awake = asyncio.run(main())
+    assert (asleep.reloaded, asleep.failed) == ((), ())
+    assert awake.reloaded == ("t0",) and told == [("t0", trainer.version)]
