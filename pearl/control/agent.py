@@ -45,7 +45,7 @@ from pearl.control.messages import (
 )
 from pearl.control.mpi import find_mpiexec, load_mpi
 from pearl.control.portfile import wait_port_file
-from pearl.control.rendezvous import KnockRefused, knock
+from pearl.control.rendezvous import KnockRefused, knock_until_admitted
 from pearl.control.workers import Workers
 from pearl.core.plan import Action
 
@@ -119,7 +119,9 @@ class Agent:
         mpi = load_mpi("funneled")
         try:
             info = wait_port_file(self.run_dir, self.connect_timeout_s)
-            sock = knock(info.knock_host, info.knock_port, info.token, self.agent_id)
+            sock = knock_until_admitted(
+                info.knock_host, info.knock_port, info.token, self.agent_id, self.connect_timeout_s
+            )
         except KnockRefused as e:
             self._say(f"refused: {e}")
             return EXIT_REFUSED

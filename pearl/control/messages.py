@@ -187,15 +187,23 @@ def encode(msg: BaseModel) -> bytes:
     return msg.model_dump_json().encode()
 
 
+def _not_finite(name: str) -> Any:
+    raise ValueError(f"a number that is not finite ({name})")
+
+
 def decode(data: bytes | bytearray | memoryview) -> Any:
     """Parse and validate one message; raise :class:`ProtocolError` naming the field."""
     raw = bytes(data)
     if len(raw) > MAX_MESSAGE_BYTES:
         raise ProtocolError(f"message of {len(raw)} bytes exceeds {MAX_MESSAGE_BYTES}")
     try:
-        obj = json.loads(raw)
+        obj = json.loads(raw, parse_constant=_not_finite)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ProtocolError(f"message is not JSON: {e}") from None
+    except RecursionError:
+        raise ProtocolError("message nested too deeply") from None
+    except ValueError as e:  # NaN, Infinity
+        raise ProtocolError(f"message has {e}") from None
     if not isinstance(obj, dict):
         raise ProtocolError(f"message must be a JSON object, got {type(obj).__name__}")
     if "v" not in obj:

@@ -3,9 +3,10 @@
 The agent opens a TCP connection to the coordinator's knock address, sends one JSON line
 ``{"v": 1, "token": ..., "agent_id": ...}`` and reads one JSON line back: ``{"ok": true}``
 means the coordinator is calling ``Accept`` now and the agent must ``Connect``;
-``{"ok": false, "error": ...}`` is a refusal (wrong token). A wrong token therefore never
-reaches MPI at all; the token is checked again in ``Hello``. Knocks are served one at a
-time; each one is bounded by a short socket timeout so a silent peer blocks nobody.
+``{"ok": false, "error": ...}`` is a refusal (wrong token, a bad line). A wrong token
+therefore never reaches MPI at all; the token is checked again in ``Hello``. Knocks are
+read concurrently, each within its own deadline, and whatever one peer sends is that
+peer's failure only (:class:`KnockListener`); the admitted ones are served one at a time.
 
 ``AcceptWatchdog``: MPI has no timeout on ``Accept``, so when an admitted peer does not
 connect within ``ACCEPT_TIMEOUT_S`` (it died after knocking), the watchdog starts a short
@@ -19,7 +20,9 @@ from __future__ import annotations
 import contextlib
 import hmac
 import json
+import logging
 import os
+import queue
 import socket
 import subprocess
 import sys
@@ -33,10 +36,18 @@ KNOCK_VERSION = 1
 KNOCK_TIMEOUT_S = 5.0
 ACCEPT_TIMEOUT_S = 10.0  # an admitted peer connects within milliseconds
 MAX_LINE = 4096
+MAX_PENDING = 256  # knocks being read at once; more are told BUSY (the agent knocks again)
+BUSY = "busy: too many knocks at once"
+
+log = logging.getLogger(__name__)
 
 
 class KnockRefused(RuntimeError):
     """The coordinator refused the knock (wrong token or bad request)."""
+
+
+class KnockBusy(KnockRefused):
+    """The coordinator is reading too many knocks at once: knock again shortly."""
 
 
 @dataclass(frozen=True)
@@ -65,42 +76,100 @@ def _read_line(sock: socket.socket) -> bytes:
 
 
 class KnockListener:
+    """Takes knocks on its own threads: one accepts connections, one per connection reads
+    and checks its line (at most ``MAX_PENDING`` at once; more are closed unanswered), so
+    a silent or slow peer holds only its own thread, for ``KNOCK_TIMEOUT_S`` at most. Any
+    bytes at all are one peer's problem: whatever its handling raises (a line of deeply
+    nested JSON raises ``RecursionError``) is contained, counted in ``refused`` and
+    answered with a refusal where the connection still takes one. Knocks with the right
+    token wait in a queue for :meth:`poll`."""
+
     def __init__(self, host: str, token: str, bind_host: str = "0.0.0.0") -> None:
         self._token = token
-        self._sock = socket.create_server((bind_host, 0))
+        self._sock = socket.create_server((bind_host, 0), backlog=128)
         self._sock.settimeout(0.1)
         self.host = host
         self.port: int = self._sock.getsockname()[1]
+        self.refused = 0  # knocks refused or dropped: bad lines, wrong tokens, floods
+        self._knocks: queue.Queue[Knock] = queue.Queue()
+        self._pending = threading.BoundedSemaphore(MAX_PENDING)
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._acceptor = threading.Thread(target=self._accept, name="knock-accept", daemon=True)
+        self._acceptor.start()
 
     def poll(self) -> Knock | None:
-        """Wait up to 0.1 s for one knock; return it if its token is right, else refuse it."""
+        """Wait up to 0.1 s for a knock whose token is right."""
         try:
-            conn, _ = self._sock.accept()
-        except TimeoutError:
+            return self._knocks.get(timeout=0.1)
+        except queue.Empty:
             return None
-        conn.settimeout(KNOCK_TIMEOUT_S)
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError as e:  # closed, or out of file descriptors: keep listening
+                if self._closed.is_set():
+                    return
+                log.warning("knock listener: %s", e)
+                time.sleep(0.1)
+                continue
+            if not self._pending.acquire(blocking=False):  # a flood: this one waits for none
+                self._refuse(conn, BUSY)
+                continue
+            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+
+    def _handle(self, conn: socket.socket) -> None:
         try:
-            req = json.loads(_read_line(conn))
-            if not isinstance(req, dict) or req.get("v") != KNOCK_VERSION:
-                raise ValueError("field 'v': unsupported knock version")
-            token, agent_id = req.get("token"), req.get("agent_id")
-            if not isinstance(token, str) or not isinstance(agent_id, str) or not agent_id:
-                raise ValueError("fields 'token'/'agent_id' must be strings")
-            if not hmac.compare_digest(token.encode(), self._token.encode()):
-                raise ValueError("authentication failed: wrong token")
-        except (OSError, ValueError) as e:
-            with contextlib.suppress(OSError):
-                conn.sendall(json.dumps({"ok": False, "error": str(e)}).encode() + b"\n")
-            conn.close()
-            return None
-        return Knock(conn, agent_id)
+            agent_id = self._check(conn)
+        except Exception as e:  # any bytes: this peer's failure only
+            self._refuse(conn, str(e) or type(e).__name__)
+        else:
+            self._knocks.put(Knock(conn, agent_id))
+        finally:
+            self._pending.release()
+
+    def _check(self, conn: socket.socket) -> str:
+        """The knock's agent id; ``ValueError`` (or whatever its bytes raise) if it is not a
+        well-formed knock with the right token."""
+        line = _read_line(conn)
+        try:
+            req = json.loads(line)
+        except RecursionError:
+            raise ValueError("knock line nested too deeply") from None
+        if not isinstance(req, dict) or req.get("v") != KNOCK_VERSION:
+            raise ValueError("field 'v': unsupported knock version")
+        token, agent_id = req.get("token"), req.get("agent_id")
+        if not isinstance(token, str) or not isinstance(agent_id, str) or not agent_id:
+            raise ValueError("fields 'token'/'agent_id' must be strings")
+        if not hmac.compare_digest(token.encode(), self._token.encode()):
+            raise ValueError("authentication failed: wrong token")
+        return agent_id
+
+    def _refuse(self, conn: socket.socket, error: str) -> None:
+        with self._lock:
+            self.refused += 1
+        with contextlib.suppress(OSError):
+            conn.settimeout(0.5)
+            conn.sendall(json.dumps({"ok": False, "error": error[:200]}).encode() + b"\n")
+        conn.close()
 
     @staticmethod
     def admit(knock: Knock) -> None:
         knock.conn.sendall(b'{"ok": true}\n')
 
     def close(self) -> None:
+        self._closed.set()
         self._sock.close()
+        self._acceptor.join(timeout=1.0)
+        while True:  # knocks admitted by nobody: their agents retry
+            try:
+                self._knocks.get_nowait().conn.close()
+            except queue.Empty:
+                return
 
 
 def knock(host: str, port: int, token: str, agent_id: str) -> socket.socket:
@@ -111,8 +180,23 @@ def knock(host: str, port: int, token: str, agent_id: str) -> socket.socket:
     reply = json.loads(_read_line(sock) or b"{}")
     if not isinstance(reply, dict) or reply.get("ok") is not True:
         sock.close()
-        raise KnockRefused(str(reply.get("error") if isinstance(reply, dict) else reply))
+        error = str(reply.get("error") if isinstance(reply, dict) else reply)
+        raise (KnockBusy if error == BUSY else KnockRefused)(error)
     return sock
+
+
+def knock_until_admitted(
+    host: str, port: int, token: str, agent_id: str, timeout_s: float
+) -> socket.socket:
+    """``knock``, again every 0.5 s while the coordinator is busy, for ``timeout_s``."""
+    end = time.monotonic() + timeout_s
+    while True:
+        try:
+            return knock(host, port, token, agent_id)
+        except KnockBusy:
+            if time.monotonic() > end:
+                raise
+            time.sleep(0.5)
 
 
 class AcceptWatchdog:

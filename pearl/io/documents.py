@@ -7,6 +7,7 @@ command line prints it as one line and exits with status 2.
 from __future__ import annotations
 
 import json
+import math
 import re
 from importlib import resources
 from pathlib import Path
@@ -28,27 +29,74 @@ class InputError(Exception):
         self.path, self.field, self.problem = str(path), field, problem
 
 
+MAX_DOCUMENT_BYTES = 64 * 2**20  # an input document at most (the largest shipped: < 1 MiB)
+MAX_DEPTH = 32  # nesting of objects and lists (pearl's deepest schema: under 10)
+
+
 def read_document(path: str | Path) -> Any:
-    """Parse a JSON or YAML file (by suffix; YAML when unsure)."""
+    """Parse a JSON or YAML file (by suffix; YAML when unsure), as pearl reads every
+    document it is given: at most ``MAX_DOCUMENT_BYTES``, nested at most ``MAX_DEPTH``
+    deep, every number finite (``NaN``, ``Infinity``, ``.inf``, ``1e999`` are refused).
+    Each problem is one ``InputError``."""
     p = Path(path)
     try:
+        size = p.stat().st_size
+        if size > MAX_DOCUMENT_BYTES:
+            problem = f"{size} bytes: more than the {MAX_DOCUMENT_BYTES} a document may have"
+            raise InputError(p, "", problem)
         text = p.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise InputError(p, "", "no such file") from None
     except (IsADirectoryError, PermissionError, UnicodeDecodeError) as err:
         raise InputError(p, "", f"cannot read: {err.__class__.__name__}") from None
-    if p.suffix == ".json":
-        try:
-            return json.loads(text)
-        except json.JSONDecodeError as err:
-            raise InputError(p, f"line {err.lineno}", f"malformed JSON: {err.msg}") from None
+    return _checked(p, _parse(p, text))
+
+
+def _parse(p: Path, text: str) -> Any:
     try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f"line {mark.line + 1}" if mark is not None else ""
-        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-        raise InputError(p, where, f"malformed YAML: {problem}") from None
+        if p.suffix == ".json":
+            try:
+                return json.loads(text, parse_constant=_no_constant)
+            except json.JSONDecodeError as err:
+                where = f"line {err.lineno}"
+                raise InputError(p, where, f"malformed JSON: {err.msg}") from None
+        try:
+            return yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            where = f"line {mark.line + 1}" if mark is not None else ""
+            problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+            raise InputError(p, where, f"malformed YAML: {problem}") from None
+    except RecursionError:
+        raise InputError(p, "", f"nested more than {MAX_DEPTH} deep") from None
+    except _Constant as err:
+        raise InputError(p, "", f"{err.args[0]} is not a finite number") from None
+
+
+class _Constant(ValueError):
+    pass
+
+
+def _no_constant(name: str) -> Any:
+    raise _Constant(name)
+
+
+def _checked(p: Path, doc: Any) -> Any:
+    """``doc`` if no value nests deeper than ``MAX_DEPTH`` and every number is finite."""
+    stack: list[tuple[Any, str, int]] = [(doc, "", 0)]
+    while stack:
+        value, where, depth = stack.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            raise InputError(p, where, f"{value} is not a finite number")
+        if isinstance(value, dict | list):
+            if depth >= MAX_DEPTH:
+                raise InputError(p, where, f"nested more than {MAX_DEPTH} deep")
+            if isinstance(value, dict):
+                named = [(str(k), v) for k, v in value.items()]
+            else:
+                named = [(f"[{i}]", v) for i, v in enumerate(value)]
+            stack += [(item, _join(where, key), depth + 1) for key, item in named]
+    return doc
 
 
 def read_object(path: str | Path) -> dict[str, Any]:

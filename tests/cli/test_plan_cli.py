@@ -129,6 +129,32 @@ def test_bad_documents_give_one_clear_line(
     assert problem in lines[0]
 
 
+DEEP = "nested more than 32 deep"
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "problem"),
+    [
+        pytest.param("in.json", "[" * 1500 + "]" * 1500, DEEP, id="deep-json"),
+        pytest.param("in.yaml", "a: " + "[" * 40 + "]" * 40, DEEP, id="deep-yaml"),
+        pytest.param("in.json", '{"state": {"time_s": NaN}}', "NaN is not a finite", id="nan"),
+        pytest.param("in.yaml", "state: {time_s: .inf}", "inf is not a finite", id="inf"),
+        pytest.param("in.json", '{"x": 1e999}', "inf is not a finite number", id="overflow"),
+    ],
+)
+def test_hostile_documents_give_one_clear_line(
+    tmp_path: Path, name: str, content: str, problem: str
+) -> None:
+    """Every document pearl reads is read one way (``pearl.io.documents.read_document``):
+    nesting, non-finite numbers and size are refused there, before any schema."""
+    path = tmp_path / name
+    path.write_text(content)
+    proc = run_pearl("plan", path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith(f"pearl: error: {path}: ") and problem in line, line
+
+
 @pytest.mark.parametrize(
     ("name", "content", "expected"),
     [

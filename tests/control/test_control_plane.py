@@ -3,6 +3,7 @@ own ``mpiexec -n 1`` run, on loopback. No Slurm."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -102,6 +103,55 @@ def test_a_peer_that_knocks_and_dies_does_not_block_the_next(
         assert set(coord.call("agents")) == {"a0"}  # the unblocker never registers
     finally:
         stop_all(procs)
+
+
+def test_hostile_knocks_leave_the_listener_admitting_an_agent_at_once(
+    coord: Coordinator, tmp_path: Path
+) -> None:
+    """A knock of ~3 KB of nested JSON (``RecursionError`` in the parser), silent peers
+    holding their connections, a flood of garbage lines, all at once: each is refused on
+    its own, and a knock with the right token is admitted within 1 s; an agent then
+    joins and works."""
+    import socket
+    import threading
+
+    info = read_port_file(tmp_path)
+    address = (info.knock_host, info.knock_port)
+    nested = b"[" * 1500 + b"]" * 1500 + b"\n"
+    with socket.create_connection(address, timeout=5) as s:
+        s.sendall(nested)
+        assert b"nested too deeply" in s.recv(4096)
+    silent = [socket.create_connection(address, timeout=5) for _ in range(20)]
+    stop = threading.Event()
+
+    def flood() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(OSError), socket.create_connection(address, timeout=5) as s:
+                s.sendall(b"\x00\xffnot a knock\n")
+                s.recv(4096)
+
+    flooders = [threading.Thread(target=flood, daemon=True) for _ in range(4)]
+    for t in flooders:
+        t.start()
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        time.sleep(0.5)  # the flood under way
+        t0 = time.monotonic()
+        sock = knock(info.knock_host, info.knock_port, info.token, "probe")
+        admitted_s = time.monotonic() - t0
+        sock.close()  # admitted and gone: the harness's watchdog completes its Accept
+        assert admitted_s < 1.0, admitted_s
+        procs.append(start_agent(tmp_path, "a0", "n0", "--null-workers"))
+        coord.call("wait", n=1, timeout=30)
+        assert coord.call("execute", steps=_steps(["n0"], 2))["ok"]
+    finally:
+        stop.set()
+        for t in flooders:
+            t.join()
+        for s in silent:
+            s.close()
+        stop_all(procs)
+    print(f"a knock admitted {admitted_s * 1000:.0f} ms into the flood")
 
 
 def test_64_step_plan_over_4_agents(coord: Coordinator, tmp_path: Path) -> None:

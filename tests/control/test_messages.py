@@ -93,6 +93,8 @@ def test_round_trip(msg: object) -> None:
             b' "worker_id": "w", "role": "boss", "deadline_s": 1}',
             "command field 'role': Input should be 'train', 'colocated'",
         ),
+        (b"[" * 3000 + b"]" * 3000, "message nested too deeply"),
+        (b'{"v": 1, "type": "heartbeat", "seq": 0, "t": NaN}', "not finite (NaN)"),
     ],
 )
 def test_malformed_messages_name_the_problem(raw: bytes, needle: str) -> None:
