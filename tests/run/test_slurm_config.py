@@ -21,6 +21,21 @@ REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "runs" / "dev-cluster.yaml"
 
 
+def refusal(*args: str) -> str:
+    """``pearl run ARGS`` outside any Slurm job: it must refuse in one line with exit 2;
+    the line."""
+    done = subprocess.run(
+        [sys.executable, "-m", "pearl.cli.main", "run", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={k: v for k, v in os.environ.items() if not k.startswith("SLURM_")},
+    )
+    assert done.returncode == 2, done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    return line
+
+
 def _with(tmp_path: Path, **changes: object) -> Path:
     doc = yaml.safe_load(EXAMPLE.read_text())
     for dotted, value in changes.items():
@@ -79,14 +94,7 @@ def test_what_slurm_cannot_run_is_one_line_naming_the_field(
     with pytest.raises(InputError) as err:
         load_run_config(path)
     assert problem in str(err.value) and field in str(err.value)
-    done = subprocess.run(
-        [sys.executable, "-m", "pearl.cli.main", "run", str(path), "--print-config"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
-    assert problem in done.stderr
+    assert problem in refusal(str(path), "--print-config")
 
 
 def test_the_runs_job_is_the_configs_and_runs_pearl_run_on_slurm(tmp_path: Path) -> None:
@@ -137,14 +145,7 @@ def test_cluster_slurm_on_the_command_line_is_checked_as_the_file_would_be(
     """``--cluster slurm`` over a local config: the same one-line errors, exit 2."""
     path = tmp_path / "local.yaml"
     path.write_text("coordinator: {enabled: false}\n", encoding="utf-8")
-    done = subprocess.run(
-        [sys.executable, "-m", "pearl.cli.main", "run", str(path), "--cluster", "slurm"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 2, done.stderr
-    (line,) = done.stderr.strip().splitlines()
+    line = refusal(str(path), "--cluster", "slurm")
     assert f"{path}: cluster: slurm needs coordinator.enabled" in line
 
 
@@ -218,13 +219,5 @@ def test_rollout_nodes_are_the_base_jobs_and_need_a_heterogeneous_job(tmp_path: 
         (("--submit",), "slurm.rollout: submitit cannot submit the heterogeneous job"),
         (("--rollout-agent",), "--rollout-agent: not a task of the job's second component"),
     ):
-        done = subprocess.run(
-            [sys.executable, "-m", "pearl.cli.main", "run", str(path), "--steps", "1", *extra],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            env={k: v for k, v in os.environ.items() if not k.startswith("SLURM_")},
-        )
-        assert done.returncode == 2, (extra, done.stderr)
-        (line,) = done.stderr.strip().splitlines()
+        line = refusal(str(path), "--steps", "1", *extra)
         assert problem in line, (extra, line)

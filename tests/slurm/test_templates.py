@@ -79,6 +79,21 @@ def test_base_job_starts_both_components(cluster: DevCluster, tmp_path: Path) ->
     cluster.run("scancel", job_id)
 
 
+def _run_config(tmp_path: Path, **sections: object) -> Path:
+    """A small ``pearl run`` on the dev cluster (elastic rule: never), with ``sections``."""
+    doc = {
+        "run_dir": "out",
+        "cluster": "slurm",
+        "env": {"name": "single_digit", "operators": "+", "max_turns": 1},
+        "rollout": {"group_size": 4, "batch_trajectories": 64, "max_tokens": 16},
+        "coordinator": {"decision_interval_s": 0.5},
+        **sections,
+    }
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(doc), encoding="utf-8")
+    return config
+
+
 def test_pearl_run_sbatch_trains_and_requeues_itself_on_the_warning(
     cluster: DevCluster, tmp_path: Path
 ) -> None:
@@ -87,20 +102,7 @@ def test_pearl_run_sbatch_trains_and_requeues_itself_on_the_warning(
     incarnation resumes and trains the rest, every update once."""
     for module in ("torch", "mpi4py", "submitit"):
         pytest.importorskip(module)
-    config = tmp_path / "run.yaml"
-    config.write_text(
-        yaml.safe_dump(
-            {
-                "run_dir": "out",
-                "cluster": "slurm",
-                "env": {"name": "single_digit", "operators": "+", "max_turns": 1},
-                "rollout": {"group_size": 4, "batch_trajectories": 64, "max_tokens": 16},
-                "trainer": {"steps": 3},
-                "coordinator": {"decision_interval_s": 0.5},  # elastic rule: never
-            }
-        ),
-        encoding="utf-8",
-    )
+    config = _run_config(tmp_path, trainer={"steps": 3})
     job_id = cluster.sbatch(
         "-o",
         str(tmp_path / "run-%j.out"),
@@ -142,21 +144,11 @@ def test_pearl_run_sbatch_as_a_heterogeneous_job_serves_on_its_rollout_node(
     the run for good (``run_ended``: cancelled) instead of leaving it to a requeue."""
     for module in ("torch", "mpi4py", "submitit"):
         pytest.importorskip(module)
-    config = tmp_path / "run.yaml"
     rollout = {"nodes": 1, "gpu_type": "h800", "gpus_per_node": 2}
-    config.write_text(
-        yaml.safe_dump(
-            {
-                "run_dir": "out",
-                "cluster": "slurm",
-                "env": {"name": "single_digit", "operators": "+", "max_turns": 1},
-                "rollout": {"group_size": 4, "batch_trajectories": 64, "max_tokens": 16},
-                "trainer": {"steps": 50},  # scancel comes first
-                "coordinator": {"decision_interval_s": 0.5},  # elastic rule: never
-                "slurm": {"profile_gpu_types": {"h20": "cpu", "h800": "cpu"}, "rollout": rollout},
-            }
-        ),
-        encoding="utf-8",
+    config = _run_config(
+        tmp_path,
+        trainer={"steps": 50},  # scancel comes first
+        slurm={"profile_gpu_types": {"h20": "cpu", "h800": "cpu"}, "rollout": rollout},
     )
     run = ("-w", "h800-1", "--gres=gpu:h800:3", "-o", str(tmp_path / "run-%j.out"))
     nodes = ("-p", "train", "-w", "h800-2", "--gres=gpu:h800:2", "-o", str(tmp_path / "agent.out"))
