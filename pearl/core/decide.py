@@ -123,8 +123,9 @@ def _with_borrow(state: ClusterState, borrow: BorrowAction, now_s: float) -> Clu
         return state.replace(borrow=window)
     if borrow.kind in (BorrowKind.RETURN, BorrowKind.FORCE_RETURN) and state.borrow is not None:
         assert borrow.return_by_s is not None
+        forced = state.borrow.forced or borrow.kind is BorrowKind.FORCE_RETURN
         window = state.borrow.model_copy(
-            update={"returning": True, "return_by_s": borrow.return_by_s}
+            update={"returning": True, "return_by_s": borrow.return_by_s, "forced": forced}
         )
         if window != state.borrow:
             return state.replace(borrow=window)

@@ -193,7 +193,10 @@ def _deadline_s(ctx: PlanContext, w: Worker) -> float | None:
     for gid in w.gpu_ids:
         gpu = state.gpu_by_id[gid]
         if gid in borrowed and gid not in ctx.lent and state.borrow is not None:
-            deadlines.append(state.borrow.return_by_s)
+            # a forced return: the trainer waits now, and a drain predicted to fit may not
+            # (a turn's length is a guess): vacate at once
+            forced = state.borrow.forced
+            deadlines.append(ctx.now_s if forced else state.borrow.return_by_s)
         alloc = state.allocation_by_id[gpu.allocation_id]
         if gpu.source is not GpuSource.BASE_TRAIN and alloc.status in _LEAVING:
             deadlines.append(alloc.end_by_s if alloc.end_by_s is not None else ctx.now_s)

@@ -127,6 +127,11 @@ class BorrowWindow(Frozen):
         description="When rollout must have vacated the GPUs, so the trainer can onload in time."
     )
     returning: bool = Field(False, description="The return has been decided and is under way.")
+    forced: bool = Field(
+        False,
+        description="The trainer is waiting for them (a forced return): they are vacated at "
+        "once, their in-flight turns migrated, however long a drain is predicted to take.",
+    )
 
 
 class ClusterState(Frozen):

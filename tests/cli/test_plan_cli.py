@@ -137,7 +137,7 @@ DEEP = "nested more than 32 deep"
     [
         pytest.param("in.json", "[" * 1500 + "]" * 1500, DEEP, id="deep-json"),
         pytest.param("in.yaml", "a: " + "[" * 40 + "]" * 40, DEEP, id="deep-yaml"),
-        pytest.param("in.json", '{"state": {"time_s": NaN}}', "NaN is not a finite", id="nan"),
+        pytest.param("in.json", '{"state": {"time_s": NaN}}', "nan is not a finite", id="nan"),
         pytest.param("in.yaml", "state: {time_s: .inf}", "inf is not a finite", id="inf"),
         pytest.param("in.json", '{"x": 1e999}', "inf is not a finite number", id="overflow"),
     ],

@@ -18,6 +18,7 @@ from pearl.core.observation import (
     WorkersLost,
 )
 from pearl.core.pd import config_of
+from pearl.core.plan import Action
 from pearl.core.profile import RuntimeProfile
 from pearl.core.registry import UnknownName
 from pearl.core.state import AllocationStatus
@@ -87,6 +88,10 @@ def test_waiting_trainer_lends_then_returns_on_demand(profile: RuntimeProfile) -
     assert back.borrow.kind is BorrowKind.FORCE_RETURN
     limit_s = 30.0 + cfg.borrowing.max_return_delay_s - profile.costs.trainer_onload_s
     assert back.borrow.return_by_s is not None and back.borrow.return_by_s <= limit_s
+    # the trainer waits: the lent engines' turns migrate at once, whatever a drain's estimate
+    leaving = [s.action for s in back.plan.steps if s.action in (Action.DRAIN, Action.MIGRATE)]
+    assert leaving and set(leaving) == {Action.MIGRATE}, back.plan.steps
+    assert back.state.borrow is not None and back.state.borrow.forced
     returned = apply_plan(back.state, back.plan, 30.0)
     assert not any(g.lent for g in returned.gpus)
     closed = decide(returned, _busy_obs(TRAINING), cfg, profile, 40.0)

@@ -5,7 +5,8 @@ trainer's status from a ``TrainerSource``, workers that record what they are tol
 real reference engines are ``test_local_control.py``'s). The policy, not the test,
 decides: the first decision starts the engines and lends the trainer's slot (offload, an
 engine started on it) while the trainer waits for its batch; once the batch is ready the
-slot comes back (the engine drained and put to sleep, the trainer onloaded); waiting
+slot comes back at once (a forced return: the engine's turns migrated, the engine put to
+sleep, the trainer onloaded); waiting
 again, it is lent again (offload, the sleeping engine woken). The run log
 (``events.jsonl``) holds the decisions, plan steps and the borrow windows."""
 
@@ -88,9 +89,9 @@ def test_the_policy_lends_the_trainers_slot_and_takes_it_back(tmp_path: Path) ->
 
         status.waiting(batch_ready=True)
         now[0] += 10.0
-        back = co.tick()  # the batch is ready: the slot comes back before the update
+        back = co.tick()  # the batch is ready: the slot comes back before the update,
         assert [s.action for s in back.plan.steps if s.node == "n0"] == [
-            Action.DRAIN,
+            Action.MIGRATE,  # its turns moved at once: the trainer waits (a forced return)
             Action.SLEEP,
             Action.ONLOAD,
         ]
@@ -115,7 +116,7 @@ def test_the_policy_lends_the_trainers_slot_and_takes_it_back(tmp_path: Path) ->
     assert borrows[:3] == ["lend", "force_return", "returned"] and borrows.count("lend") == 2
     steps = [r["action"] for r in records if r["type"] == "plan_step"]
     assert steps.count("offload") == 2
-    assert {"start", "drain", "sleep", "onload", "wake"} <= set(steps)
+    assert {"start", "migrate", "sleep", "onload", "wake"} <= set(steps)
 
 
 def test_a_baseline_is_pearl_s_policy_with_its_rules_fixed() -> None:

@@ -314,9 +314,8 @@ def test_a_forced_return_moves_the_turns_in_flight_on_the_lent_slot(
     """The trainer's slot is lent (the trainer offloaded, an engine started there) and
     serves long turns beside the base rollout's engine; the batch is ready, so the slot
     is taken back while turns are in flight on it, by the steps the planner gives a
-    forced return whose drain would miss its deadline (``pearl.core.plan_steps._leave``:
-    migrate; then sleep, onload; the plan is written here, the policy's choice of it is
-    ``test_coordinator_local.py``'s). Each of those turns goes on
+    forced return (the trainer waits: migrate, then sleep, onload; the plan is written
+    here, the policy's choice of it is ``test_coordinator_local.py``'s). Each of those turns goes on
     elsewhere with its tokens so far and ends whole; none is lost; the trainer has its
     devices back within the policy's ``max_return_delay_s``."""
     pytest.importorskip("torch")
