@@ -321,6 +321,11 @@ class EngineCore:
             self.blocks.free(self.held.pop(rid).seq.blocks)
         return bool(expired)
 
+    def publish_metrics(self) -> None:
+        """The gauges as of now (run on the engine thread: ``GET /metrics`` asks for it, so
+        a scrape right after an operation sees what the operation did)."""
+        self._publish()
+
     def _publish(self) -> None:
         m, s = self.metrics, self.scheduler
         m.running.set(len(s.running))
