@@ -133,11 +133,11 @@ def rollout_agent(config: Any, base: Path) -> int:
         problem = "--rollout-agent needs --cluster slurm (or cluster: slurm)"
         raise InputError("<command line>", "--rollout-agent", problem)
     require("mpi4py")
+    from pearl.run.local import model_path
     from pearl.run.rollout_nodes import rollout_agent as payload
 
-    run_dir = (base / config.run_dir).resolve()
-    model = (base / config.model.dir).resolve() if config.model.dir else run_dir / "model"
-    return payload(config, run_dir, model)()
+    run_dir = (base / config.run_dir).resolve()  # the run writes the model: not made here
+    return payload(config, run_dir, model_path(config, base, run_dir))()
 
 
 def submit(args: argparse.Namespace, config: Any) -> int:

@@ -38,7 +38,6 @@ import logging
 import os
 import shutil
 import statistics
-import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
@@ -58,7 +57,6 @@ from pearl.core.execution import PlanOutcome
 from pearl.core.observation import TrainerPhase, TrainerStatus
 from pearl.core.plan import Action, PlanStep, TransitionPlan
 from pearl.core.roles import Role, TransitionError
-from pearl.engines.backend import reference_serve_argv
 from pearl.engines.client import EngineError, call
 from pearl.router.plan_steps import PlanSteps
 from pearl.trainer.remote import TrainerLost
@@ -77,19 +75,6 @@ def slot_cores(slots: Sequence[str], cpus: Sequence[int] | None = None) -> dict[
     if not slots or per < 2 or shutil.which("taskset") is None:
         return {}
     return {s: cpus[i * per : (i + 1) * per] for i, s in enumerate(slots)}
-
-
-def engine_argv(model: Path, threads: int | None = None, extra: Sequence[str] = ()) -> list[str]:
-    """The reference engine's command, as a ``ProcessWorkers`` template."""
-    return reference_serve_argv(
-        sys.executable,
-        model,
-        port="{port}",
-        kv_port="{kv_port}",
-        engine_id="{worker_id}",
-        threads=threads,
-        extra=extra,
-    )
 
 
 @dataclass

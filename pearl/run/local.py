@@ -83,12 +83,17 @@ class RunResult:
     trainer_restarts: int = 0  # trainer processes lost and started again
 
 
-def model_dir(config: RunConfig, base: Path, run_dir: Path) -> Path:
-    """The model the run trains: the config's directory, or the tiny default (made once)."""
+def model_path(config: RunConfig, base: Path, run_dir: Path) -> Path:
+    """Where the model the run trains is: the config's directory, or ``RUN_DIR/model``."""
     if config.model.dir is not None:
         return (base / config.model.dir).resolve()
-    out = run_dir / "model"
-    if not (out / "config.json").exists():
+    return run_dir / "model"
+
+
+def model_dir(config: RunConfig, base: Path, run_dir: Path) -> Path:
+    """The model the run trains: the config's directory, or the tiny default (made once)."""
+    out = model_path(config, base, run_dir)
+    if config.model.dir is None and not (out / "config.json").exists():
         init_model(out, seed=config.model.seed)
     return out
 

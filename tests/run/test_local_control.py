@@ -21,6 +21,7 @@ from pearl.core.observation import TrainerPhase
 from pearl.core.pd import PDConfig
 from pearl.core.plan import Action, PlanStep, Target, TransitionPlan
 from pearl.core.roles import Role
+from pearl.run.config import RunConfig
 from pearl.run.control import (
     LocalControl,
     LocalEngines,
@@ -29,9 +30,9 @@ from pearl.run.control import (
     TrainerSlot,
     TrainerSource,
     TrainerWorkers,
-    engine_argv,
     slot_cores,
 )
+from pearl.run.engine_command import engine_template
 from pearl.trainer.remote import TrainerLost
 
 NODE = "localhost"
@@ -252,7 +253,7 @@ def test_a_hand_made_plan_over_real_engines_moves_the_router(
     trainer = ReferenceTrainer(tiny_model_dir)
     published: list[tuple[Path, int]] = []
     engines = LocalEngines(
-        {"*": engine_argv(tiny_model_dir, threads=1)},
+        {"*": engine_template(RunConfig(), tiny_model_dir)},
         {"localhost/0": 0, "localhost/1": 1},
         log_dir=str(tmp_path),
         weights=lambda: published[-1] if published else None,
@@ -331,7 +332,7 @@ def test_a_forced_return_moves_the_turns_in_flight_on_the_lent_slot(
 
     trainer = ReferenceTrainer(tiny_model_dir)
     engines = LocalEngines(
-        {"*": engine_argv(tiny_model_dir, threads=1)},
+        {"*": engine_template(RunConfig(), tiny_model_dir)},
         {"trainer/0": 0, "rollout/0": 1},
         log_dir=str(tmp_path),
     )
