@@ -30,6 +30,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
+from pearl.io.untrusted import MAX_DOCUMENT_BYTES, loads_json
+
 EVENTS = ("start", "admit", "turn", "env", "finish", "batch", "updated", "lost")
 
 
@@ -71,7 +73,7 @@ def read_journal(path: Path, repair: bool = False) -> Iterator[dict[str, Any]]:
                     f.truncate(good_bytes)
             return
         try:
-            event = json.loads(raw)
+            event = loads_json(raw, max_bytes=MAX_DOCUMENT_BYTES)
             if not isinstance(event, dict) or event.get("e") not in EVENTS:
                 raise ValueError(f"not a journal event: {raw[:80]!r}")
         except ValueError as err:

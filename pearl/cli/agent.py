@@ -14,6 +14,8 @@ import socket
 import sys
 
 from pearl.cli.errors import run_command
+from pearl.control.rendezvous import AGENT_ID
+from pearl.io.documents import InputError
 from pearl.io.extras import require
 
 
@@ -77,6 +79,8 @@ def run(args: argparse.Namespace) -> int:
             commands[role] = shlex.split(cmd)
         workers = ProcessWorkers(commands, index, log_dir=args.log_dir, host=args.engine_host)
     agent_id = args.agent_id or f"{args.node}-{args.job_id or 'local'}-{os.getpid()}"
+    if not AGENT_ID.fullmatch(agent_id):
+        raise InputError("--agent-id", "", f"{agent_id!r} is not of the form {AGENT_ID.pattern}")
     agent = Agent(
         args.run_dir,
         agent_id,

@@ -7,6 +7,8 @@ import json
 
 from pearl.bench.decide import bench_decide
 from pearl.bench.simulator import bench_predictor, bench_sim
+from pearl.cli.flags import gpus, integer, number, positive_seconds, repeats, seconds
+from pearl.core.limits import MAX_SECONDS, MAX_SEEDS, MAX_TOKENS, MAX_TRAJECTORIES
 from pearl.io.documents import InputError
 from pearl.io.extras import require
 
@@ -15,47 +17,74 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p = sub.add_parser("bench", help="run a benchmark and print its figures")
     which = p.add_subparsers(dest="bench", required=True)
     d = which.add_parser("decide", help="time full decide() calls on a realistic state")
-    d.add_argument("--gpus", type=int, default=1024, help="GPUs in the state (8 per node)")
-    d.add_argument("--repeats", type=int, default=30, help="timed decide() calls")
+    d.add_argument("--gpus", type=gpus, default=1024, help="GPUs in the state (8 per node)")
+    d.add_argument("--repeats", type=repeats, default=30, help="timed decide() calls")
     d.add_argument("--profile", default="qwen3-8b", help="shipped profile name or path")
     d.add_argument("--json", action="store_true", help="print only the JSON object")
     d.set_defaults(run=_run_decide)
     pr = which.add_parser("predictor", help="predictor error against simulated batch times")
     pr.add_argument("scenario", help="scenario file (benchmarks/scenarios/*.yaml)")
-    pr.add_argument("--seeds", type=int, default=1, help="pearl runs to pool")
-    pr.add_argument("--duration-s", type=float, default=None, help="override the simulated time")
+    pr.add_argument("--seeds", type=integer(1, MAX_SEEDS), default=1, help="pearl runs to pool")
+    pr.add_argument(
+        "--duration-s", type=positive_seconds, default=None, help="override the simulated time"
+    )
     pr.add_argument("--json", action="store_true", help="print only the JSON object")
     pr.set_defaults(run=_run_predictor)
     sm = which.add_parser("sim", help="simulation speed at scale")
-    sm.add_argument("--gpus", type=int, default=256, help="GPUs: base and elastic together")
-    sm.add_argument("--sim-hours", type=float, default=24.0, help="simulated hours")
+    sm.add_argument("--gpus", type=gpus, default=256, help="GPUs: base and elastic together")
+    sm.add_argument(
+        "--sim-hours",
+        type=number(0.0, MAX_SECONDS / 3600, low_open=True),
+        default=24.0,
+        help="simulated hours",
+    )
     sm.add_argument("--json", action="store_true", help="print only the JSON object")
     sm.set_defaults(run=_run_sim)
     ct = which.add_parser("control", help="plan round trip over the MPI control plane")
-    ct.add_argument("--agents", type=int, default=16, help="agents started on this machine")
-    ct.add_argument("--repeats", type=int, default=100, help="timed 64-step plans")
+    ct.add_argument(
+        "--agents", type=integer(1, 1_024), default=16, help="agents started on this machine"
+    )
+    ct.add_argument("--repeats", type=repeats, default=100, help="timed 64-step plans")
     ct.add_argument("--json", action="store_true", help="print only the JSON object")
     ct.set_defaults(run=_run_control)
     an = which.add_parser("analyze", help="pearl analyze on a synthetic run log")
-    an.add_argument("--events", type=int, default=1_000_000, help="records in the log")
+    an.add_argument(
+        "--events", type=integer(1, 100_000_000), default=1_000_000, help="records in the log"
+    )
     an.add_argument("--json", action="store_true", help="print only the JSON object")
     an.set_defaults(run=_run_analyze)
     en = which.add_parser("engine", help="reference engine against naive generate(), and PD")
     en.add_argument("--model", default=None, help="model directory (default: a tiny one)")
     en.add_argument("--concurrency", default="1,8,32", help="concurrent requests, comma list")
-    en.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request")
-    en.add_argument("--prompt-tokens", type=int, default=512, help="prompt of the prefill runs")
-    en.add_argument("--threads", type=int, default=None, help="torch threads (engine, naive)")
-    en.add_argument("--pd-requests", type=int, default=8, help="requests through prefill->decode")
     en.add_argument(
-        "--settle-s", type=float, default=0.5, help="pause between engine and naive phases"
+        "--max-tokens", type=integer(1, MAX_TOKENS), default=64, help="tokens generated per request"
+    )
+    en.add_argument(
+        "--prompt-tokens",
+        type=integer(1, MAX_TOKENS),
+        default=512,
+        help="prompt of the prefill runs",
+    )
+    en.add_argument(
+        "--threads", type=integer(1, 1_024), default=None, help="torch threads (engine, naive)"
+    )
+    en.add_argument(
+        "--pd-requests", type=repeats, default=8, help="requests through prefill->decode"
+    )
+    en.add_argument(
+        "--settle-s", type=seconds, default=0.5, help="pause between engine and naive phases"
     )
     en.add_argument("--json", action="store_true", help="print only the JSON object")
     en.set_defaults(run=_run_engine)
     ro = which.add_parser("router", help="router overhead per turn, and a P:D change under load")
-    ro.add_argument("--turns", type=int, default=200, help="turns timed each way")
-    ro.add_argument("--trajectories", type=int, default=8, help="load during the P:D change")
-    ro.add_argument("--phase-s", type=float, default=3.0, help="seconds of each phase")
+    ro.add_argument("--turns", type=repeats, default=200, help="turns timed each way")
+    ro.add_argument(
+        "--trajectories",
+        type=integer(1, MAX_TRAJECTORIES),
+        default=8,
+        help="load during the P:D change",
+    )
+    ro.add_argument("--phase-s", type=positive_seconds, default=3.0, help="seconds of each phase")
     ro.add_argument("--json", action="store_true", help="print only the JSON object")
     ro.set_defaults(run=_run_router)
 

@@ -5,15 +5,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from pearl.cli.flags import integer, port, positive_seconds
+from pearl.core.limits import MAX_TOKENS
 from pearl.io.documents import InputError
 from pearl.io.extras import require
 
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
-    return value
+_positive = integer(1, MAX_TOKENS)  # sizes: tokens, sequences, threads
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -24,8 +21,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     s.add_argument("--model", required=True, help="model directory (config.json, weights)")
     s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--kv-port", type=int, default=None, help="KV side channel for PD")
+    s.add_argument("--port", type=port, default=8000)
+    s.add_argument("--kv-port", type=port, default=None, help="KV side channel for PD")
     s.add_argument("--engine-id", default="0", help="this instance's id (kv_transfer_params)")
     s.add_argument("--served-model-name", default=None)
     s.add_argument("--max-model-len", type=_positive, default=None)
@@ -36,7 +33,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     s.add_argument("--threads", type=_positive, default=None, help="torch threads")
     s.add_argument("--no-prefix-caching", action="store_true")
-    s.add_argument("--kv-lease-s", type=float, default=30.0, help="how long a prefill's KV waits")
+    s.add_argument(
+        "--kv-lease-s", type=positive_seconds, default=30.0, help="how long a prefill's KV waits"
+    )
     s.set_defaults(run=run)
 
 

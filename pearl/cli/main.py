@@ -20,10 +20,11 @@ from pearl.cli import (
     trainer,
 )
 from pearl.cli.errors import run_command
+from pearl.cli.flags import OneLineParser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser: argparse.ArgumentParser = OneLineParser(
         prog="pearl",
         description="Asynchronous agentic RL on Slurm: elastic GPUs, borrowed training GPUs "
         "and adaptive prefill-decode rollout.",

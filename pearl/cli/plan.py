@@ -10,11 +10,22 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from pearl.core.config import PolicyConfig
-from pearl.core.decide import POLICIES, decide
-from pearl.core.observation import Observation
-from pearl.core.registry import UnknownName, check_names
+from pearl.core.decide import decide
+from pearl.core.observation import (
+    AllocationGranted,
+    AllocationPending,
+    Observation,
+    event_problems,
+)
+from pearl.core.profile import RuntimeProfile
 from pearl.core.state import ClusterState, Frozen
-from pearl.io.documents import InputError, load_profile, parse, read_document
+from pearl.io.documents import (
+    InputError,
+    check_policy_names,
+    load_profile,
+    parse,
+    read_document,
+)
 from pearl.io.encode import dumps
 
 
@@ -42,15 +53,40 @@ def run(args: argparse.Namespace) -> int:
     cfg = PolicyConfig()
     if args.config is not None:
         cfg = parse(PolicyConfig, read_document(args.config) or {}, args.config)
-        try:
-            check_names(cfg, POLICIES)
-        except UnknownName as err:
-            field, _, problem = str(err).partition(": ")
-            raise InputError(args.config, field, problem) from None
+        check_policy_names(cfg, args.config)
     profile = load_profile(
         doc.profile, relative_to=args.state_file.parent, named_in=args.state_file
     )
+    _check_references(doc, cfg, profile, args)
     decision = decide(doc.state, doc.observation, cfg, profile, doc.now_s)
     print(dumps(decision))
     print(decision.summary(), file=sys.stderr)
     return 0
+
+
+def _check_references(
+    doc: PlanInput, cfg: PolicyConfig, profile: RuntimeProfile, args: argparse.Namespace
+) -> None:
+    """GPU types the profile does not know, and events naming what the state does not
+    hold, refused (``event_problems``: the late ones are ignored, said on stderr)."""
+    known = ", ".join(sorted(profile.gpus))
+    typed = [(f"state.gpus[{i}].gpu_type", g.gpu_type) for i, g in enumerate(doc.state.gpus)]
+    for i, ev in enumerate(doc.observation.events):
+        if isinstance(ev, AllocationPending):
+            typed.append((f"observation.events[{i}].gpu_type", ev.gpu_type))
+        elif isinstance(ev, AllocationGranted):
+            typed += [
+                (f"observation.events[{i}].nodes[{j}].gpu_type", n.gpu_type)
+                for j, n in enumerate(ev.nodes)
+            ]
+    for field, gpu_type in typed:
+        if gpu_type not in profile.gpus:
+            problem = f"GPU type {gpu_type!r} is not in profile {doc.profile} ({known})"
+            raise InputError(args.state_file, field, problem)
+    if cfg.elastic.rule != "never" and cfg.elastic.gpu_type not in profile.gpus:
+        problem = f"{cfg.elastic.gpu_type!r} is not in profile {doc.profile} ({known})"
+        raise InputError(args.config or "(default policy)", "elastic.gpu_type", problem)
+    for p in event_problems(doc.state, doc.observation):
+        if not p.late:
+            raise InputError(args.state_file, f"observation.{p.field}", p.problem)
+        print(f"pearl plan: ignored observation.{p.field}: {p.problem}", file=sys.stderr)

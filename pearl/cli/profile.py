@@ -6,6 +6,8 @@ import argparse
 import json
 
 from pearl.cli.bench import int_list
+from pearl.cli.flags import integer
+from pearl.core.limits import MAX_TOKENS
 from pearl.io.documents import InputError
 from pearl.io.extras import require
 
@@ -23,15 +25,24 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         default=None,
         help="sweep points BxL left out of the fit, comma list (default: every third point)",
     )
-    f.add_argument("--decode-tokens", type=int, default=8, help="decode steps per point")
+    f.add_argument(
+        "--decode-tokens", type=integer(1, 1_000_000), default=8, help="decode steps per point"
+    )
     f.add_argument("--model", default=None, help="model directory (default: the engine's root)")
     f.add_argument("--gpu-type", default="cpu", help="the profile's key for this hardware")
     f.add_argument("--base", default="qwen3-8b", help="profile to copy costs/workload from")
-    f.add_argument("--max-num-seqs", type=int, default=64, help="the engine's --max-num-seqs")
     f.add_argument(
-        "--max-num-batched-tokens", type=int, default=512, help="the engine's flag of that name"
+        "--max-num-seqs", type=integer(1, 1_000_000), default=64, help="the engine's --max-num-seqs"
     )
-    f.add_argument("--kv-cache-tokens", type=int, default=65536, help="the engine's flag")
+    f.add_argument(
+        "--max-num-batched-tokens",
+        type=integer(1, MAX_TOKENS),
+        default=512,
+        help="the engine's flag of that name",
+    )
+    f.add_argument(
+        "--kv-cache-tokens", type=integer(1, MAX_TOKENS), default=65536, help="the engine's flag"
+    )
     f.add_argument("--json", action="store_true", help="print only the JSON object")
     f.set_defaults(run=_run_fit)
 

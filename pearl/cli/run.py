@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from pearl.cli.flags import integer
 from pearl.io.documents import InputError, parse
 from pearl.io.extras import require
 
@@ -22,9 +23,13 @@ from pearl.io.extras import require
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("run", help="train an agent end to end on this machine")
     p.add_argument("config", nargs="?", help="run configuration (default: the embedded one)")
-    p.add_argument("--steps", type=int, help="updates to train (overrides trainer.steps)")
+    p.add_argument(
+        "--steps", type=integer(1, 10_000_000), help="updates to train (overrides trainer.steps)"
+    )
     p.add_argument("--run-dir", help="the run's folder (overrides run_dir)")
-    p.add_argument("--seed", type=int, help="overrides rollout.seed and model.seed")
+    p.add_argument(
+        "--seed", type=integer(0, 2**63 - 1), help="overrides rollout.seed and model.seed"
+    )
     p.add_argument(
         "--cluster",
         choices=("local", "slurm"),

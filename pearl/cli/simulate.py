@@ -17,6 +17,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from pearl.cli.flags import integer, positive_seconds
+from pearl.core.limits import MAX_SEEDS
 from pearl.io.documents import InputError
 from pearl.io.scenarios import load_scenario_and_profile
 from pearl.io.simulation import run_inputs
@@ -35,9 +37,16 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument(
         "--policies", default=",".join(REPORTED), help=f"comma-separated, from {','.join(REPORTED)}"
     )
-    p.add_argument("--seeds", type=int, default=None, help="runs per policy (scenario default)")
+    p.add_argument(
+        "--seeds",
+        type=integer(1, MAX_SEEDS),
+        default=None,
+        help="runs per policy (scenario default)",
+    )
     p.add_argument("--out", type=Path, default=None, help="output folder (runs/SCENARIO)")
-    p.add_argument("--duration-s", type=float, default=None, help="override the simulated time")
+    p.add_argument(
+        "--duration-s", type=positive_seconds, default=None, help="override the simulated time"
+    )
     p.add_argument("--json", action="store_true", help="print only the JSON comparison")
     p.set_defaults(run=run)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from pearl.cli.flags import port
 from pearl.io.documents import InputError, parse, read_document
 from pearl.io.extras import require
 
@@ -27,7 +28,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--megatron", default=None, help="MegatronOptions (JSON or YAML); default: its defaults"
     )
     s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8100)
+    s.add_argument("--port", type=port, default=8100)
     s.set_defaults(run=run)
 
 

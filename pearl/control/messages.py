@@ -30,7 +30,6 @@ unknown value is a :class:`ProtocolError` like any other bad field.
 
 from __future__ import annotations
 
-import json
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
@@ -46,8 +45,10 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from pearl.core.limits import MAX_GPUS_PER_NODE, MAX_SECONDS
 from pearl.core.plan import Action
 from pearl.core.roles import Role
+from pearl.io.untrusted import UntrustedInput, loads_json
 
 PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 1 << 20  # a peer that sends more is broken or hostile
@@ -88,12 +89,12 @@ class ProtocolError(ValueError):
 
 
 class _Msg(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True, allow_inf_nan=False)
     v: Literal[1] = 1  # PROTOCOL_VERSION
 
 
 class GpuInfo(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True, allow_inf_nan=False)
     id: str = Field(min_length=1)
     type: str = Field(min_length=1)
 
@@ -103,7 +104,7 @@ class Hello(_Msg):
     token: str = Field(min_length=1)
     agent_id: str = Field(min_length=1)
     node: str = Field(min_length=1)
-    gpus: tuple[GpuInfo, ...] = ()
+    gpus: tuple[GpuInfo, ...] = Field((), max_length=MAX_GPUS_PER_NODE)
     job_id: str | None = None  # the Slurm allocation the agent runs in, if any
     pid: int = 0
     workers: tuple[str, ...] = ()  # ids of the workers it runs (none after a restart)
@@ -112,8 +113,8 @@ class Hello(_Msg):
 class Welcome(_Msg):
     type: Literal["welcome"] = "welcome"
     agent_id: str
-    heartbeat_s: float = Field(gt=0)
-    missed_heartbeats: int = Field(ge=1)
+    heartbeat_s: float = Field(gt=0, le=3600)
+    missed_heartbeats: int = Field(ge=1, le=1000)
 
 
 class Heartbeat(_Msg):
@@ -130,7 +131,7 @@ class Command(_Msg):
     worker_id: str = Field(min_length=1)
     gpu_ids: tuple[str, ...] = ()
     role: Role | None = None
-    deadline_s: float = Field(gt=0)  # time budget from receipt
+    deadline_s: float = Field(gt=0, le=MAX_SECONDS)  # time budget from receipt
 
 
 class Ack(_Msg):
@@ -138,13 +139,13 @@ class Ack(_Msg):
     cmd_id: str = Field(min_length=1)
     ok: bool
     error: str | None = None
-    elapsed_s: float = Field(ge=0)
+    elapsed_s: float = Field(ge=0, le=MAX_SECONDS)
     url: str | None = None  # a start's or wake's engine: its base URL, as its agent reaches it
 
 
 class Preempted(_Msg):
     type: Literal["preempted"] = "preempted"
-    grace_s: float = Field(ge=0)
+    grace_s: float = Field(ge=0, le=MAX_SECONDS)
     signal: str = ""
 
 
@@ -187,23 +188,13 @@ def encode(msg: BaseModel) -> bytes:
     return msg.model_dump_json().encode()
 
 
-def _not_finite(name: str) -> Any:
-    raise ValueError(f"a number that is not finite ({name})")
-
-
 def decode(data: bytes | bytearray | memoryview) -> Any:
     """Parse and validate one message; raise :class:`ProtocolError` naming the field."""
     raw = bytes(data)
-    if len(raw) > MAX_MESSAGE_BYTES:
-        raise ProtocolError(f"message of {len(raw)} bytes exceeds {MAX_MESSAGE_BYTES}")
     try:
-        obj = json.loads(raw, parse_constant=_not_finite)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ProtocolError(f"message is not JSON: {e}") from None
-    except RecursionError:
-        raise ProtocolError("message nested too deeply") from None
-    except ValueError as e:  # NaN, Infinity
-        raise ProtocolError(f"message has {e}") from None
+        obj = loads_json(raw, max_bytes=MAX_MESSAGE_BYTES)
+    except UntrustedInput as e:
+        raise ProtocolError(f"message: {e}") from None
     if not isinstance(obj, dict):
         raise ProtocolError(f"message must be a JSON object, got {type(obj).__name__}")
     if "v" not in obj:

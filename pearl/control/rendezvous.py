@@ -1,10 +1,13 @@
 """TCP knock before ``MPI.Comm.Accept`` (see :mod:`pearl.control.mpi` for why).
 
-The agent opens a TCP connection to the coordinator's knock address, sends one JSON line
-``{"v": 1, "token": ..., "agent_id": ...}`` and reads one JSON line back: ``{"ok": true}``
-means the coordinator is calling ``Accept`` now and the agent must ``Connect``;
-``{"ok": false, "error": ...}`` is a refusal (wrong token, a bad line). A wrong token
-therefore never reaches MPI at all; the token is checked again in ``Hello``. Knocks are
+The agent opens a TCP connection to the coordinator's knock address, sends one text line
+``pearl-knock TOKEN 2 AGENT_ID`` and reads one JSON line back: ``{"ok": true}`` means the
+coordinator is calling ``Accept`` now and the agent must ``Connect``; ``{"ok": false,
+"error": ...}`` is a refusal (wrong token, a bad line). The line is plain words, not JSON,
+so that the token is compared (in constant time) before anything else of it is parsed:
+an unauthenticated peer gets no parser to attack beyond a read of at most ``MAX_LINE``
+bytes and a split. A wrong token never reaches MPI at all; the token is checked again in
+``Hello``. Knocks are
 read concurrently, each within its own deadline, and whatever one peer sends is that
 peer's failure only (:class:`KnockListener`); the admitted ones are served one at a time.
 
@@ -23,6 +26,7 @@ import json
 import logging
 import os
 import queue
+import re
 import socket
 import subprocess
 import sys
@@ -31,13 +35,16 @@ import time
 from dataclasses import dataclass
 
 from pearl.control.mpi import find_mpiexec
+from pearl.io.untrusted import UntrustedInput, loads_json
 
-KNOCK_VERSION = 1
+KNOCK_WORD = b"pearl-knock"
+KNOCK_VERSION = 2  # 1: a JSON line (parsed before its token was checked)
 KNOCK_TIMEOUT_S = 5.0
 ACCEPT_TIMEOUT_S = 10.0  # an admitted peer connects within milliseconds
 MAX_LINE = 4096
 MAX_PENDING = 256  # knocks being read at once; more are told BUSY (the agent knocks again)
 BUSY = "busy: too many knocks at once"
+AGENT_ID = re.compile(r"[A-Za-z0-9][\w.:@+-]{0,127}", re.ASCII)  # NODE-JOBID-PID, or given
 
 log = logging.getLogger(__name__)
 
@@ -134,19 +141,17 @@ class KnockListener:
 
     def _check(self, conn: socket.socket) -> str:
         """The knock's agent id; ``ValueError`` (or whatever its bytes raise) if it is not a
-        well-formed knock with the right token."""
-        line = _read_line(conn)
-        try:
-            req = json.loads(line)
-        except RecursionError:
-            raise ValueError("knock line nested too deeply") from None
-        if not isinstance(req, dict) or req.get("v") != KNOCK_VERSION:
-            raise ValueError("field 'v': unsupported knock version")
-        token, agent_id = req.get("token"), req.get("agent_id")
-        if not isinstance(token, str) or not isinstance(agent_id, str) or not agent_id:
-            raise ValueError("fields 'token'/'agent_id' must be strings")
-        if not hmac.compare_digest(token.encode(), self._token.encode()):
+        well-formed knock with the right token. The token is compared first."""
+        words = _read_line(conn).split(b" ")
+        if len(words) != 4 or words[0] != KNOCK_WORD:
+            raise ValueError(f"not a knock line: expected {KNOCK_WORD.decode()} TOKEN V AGENT_ID")
+        if not hmac.compare_digest(words[1], self._token.encode()):
             raise ValueError("authentication failed: wrong token")
+        if words[2] != str(KNOCK_VERSION).encode():
+            raise ValueError(f"unsupported knock version {words[2][:8]!r}, need {KNOCK_VERSION}")
+        agent_id = words[3].decode("ascii", "replace")
+        if not AGENT_ID.fullmatch(agent_id):
+            raise ValueError(f"agent id {agent_id[:40]!r} is not of the form {AGENT_ID.pattern}")
         return agent_id
 
     def _refuse(self, conn: socket.socket, error: str) -> None:
@@ -175,9 +180,15 @@ class KnockListener:
 def knock(host: str, port: int, token: str, agent_id: str) -> socket.socket:
     """Knock; return the open socket (close it once ``Connect`` returned)."""
     sock = socket.create_connection((host, port), timeout=KNOCK_TIMEOUT_S)
-    sock.sendall(json.dumps({"v": KNOCK_VERSION, "token": token, "agent_id": agent_id}).encode())
+    sock.sendall(
+        b" ".join([KNOCK_WORD, token.encode(), str(KNOCK_VERSION).encode(), agent_id.encode()])
+    )
     sock.sendall(b"\n")
-    reply = json.loads(_read_line(sock) or b"{}")
+    try:
+        reply = loads_json(_read_line(sock) or b"{}", max_bytes=MAX_LINE)
+    except UntrustedInput as e:
+        sock.close()
+        raise KnockRefused(f"the coordinator's reply: {e}") from None
     if not isinstance(reply, dict) or reply.get("ok") is not True:
         sock.close()
         error = str(reply.get("error") if isinstance(reply, dict) else reply)

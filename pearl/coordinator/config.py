@@ -17,16 +17,17 @@ from pydantic import Field, model_validator
 
 from pearl.core import base_job
 from pearl.core.config import PolicyConfig
+from pearl.core.limits import MAX_GPUS_PER_NODE, PositiveSeconds
 from pearl.core.state import (
     ClusterState,
     Frozen,
 )
 from pearl.engines.backend import EngineSection, engine_commands
-from pearl.io.documents import load_profile, parse, read_document
+from pearl.io.documents import InputError, check_policy_names, load_profile, parse, read_document
 
 RunId = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", max_length=64)]
-PosInt = Annotated[int, Field(gt=0)]
-PosFloat = Annotated[float, Field(gt=0)]
+PosInt = Annotated[int, Field(gt=0, le=MAX_GPUS_PER_NODE)]  # GPUs of a node
+PosFloat = PositiveSeconds
 
 
 class BaseNode(Frozen):
@@ -44,6 +45,16 @@ class BaseJob(Frozen):
         "put to sleep by whoever runs the base job), so that lending it wakes an engine "
         "rather than cold-starting one.",
     )
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> BaseJob:
+        seen: set[str] = set()
+        for field, nodes in (("trainer", self.trainer), ("rollout", self.rollout)):
+            for i, node in enumerate(nodes):
+                if node.name in seen:
+                    raise ValueError(f"{field}[{i}].name: node {node.name!r} is listed twice")
+                seen.add(node.name)
+        return self
 
 
 class AgentSection(Frozen):
@@ -100,7 +111,7 @@ class CoordinatorConfig(Frozen):
     qos: str | None = Field(None, description="Slurm QOS of elastic jobs (None: none).")
     poll_interval_s: PosFloat = Field(5.0, description="Fewest seconds between Slurm queries.")
     decision_interval_s: PosFloat = Field(10.0, description="Seconds between decisions.")
-    journal_max_bytes: PosInt = Field(
+    journal_max_bytes: Annotated[int, Field(gt=0, le=2**40)] = Field(
         64 << 20, description="Size past which the journal is compacted (last state kept)."
     )
     base: BaseJob = Field(description="The base job's nodes.")
@@ -124,7 +135,13 @@ def load_config(path: str | Path) -> tuple[CoordinatorConfig, Path]:
     """The validated configuration and its run directory (made absolute)."""
     p = Path(path)
     config = parse(CoordinatorConfig, read_document(p), p)
-    load_profile(config.profile, relative_to=p.parent, named_in=p)  # fail early if missing
+    check_policy_names(config.policy, p, "policy")
+    profile = load_profile(config.profile, relative_to=p.parent, named_in=p)  # fail early
+    known = ", ".join(sorted(profile.gpus))
+    for gpu_type in sorted(config.gpus_per_node):
+        if gpu_type not in profile.gpus:
+            problem = f"GPU type {gpu_type!r} is not in profile {config.profile} ({known})"
+            raise InputError(p, f"gpus_per_node.{gpu_type}", problem)
     return _engine_model_resolved(config, p.parent), (p.parent / config.run_dir).resolve()
 
 

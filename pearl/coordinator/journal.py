@@ -39,7 +39,8 @@ from types import TracebackType
 from typing import IO, Any, Literal
 
 from pearl.core.state import ClusterState
-from pearl.io.documents import InputError
+from pearl.io.documents import InputError, parse
+from pearl.io.untrusted import MAX_DOCUMENT_BYTES, loads_json
 
 JOURNAL_VERSION = 1
 Kind = Literal["state", "intent", "done"]
@@ -68,11 +69,11 @@ def replay(path: Path) -> Replay:
         out.truncated_tail = True
     for number, line in enumerate(lines[:-1], start=1):
         try:
-            record = json.loads(line)
+            record = loads_json(line, max_bytes=MAX_DOCUMENT_BYTES)
             if number == 1 and isinstance(record, dict) and isinstance(record.get("seq"), int):
                 out.next_seq = record["seq"]  # a compacted journal keeps counting
             _check(record, out.next_seq)
-        except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as err:
+        except ValueError as err:  # UntrustedInput among them
             raise InputError(path, f"line {number}", f"corrupt journal record: {err}") from None
         _apply(out, record, path, number)
         out.valid_bytes += len(line) + 1
@@ -93,13 +94,12 @@ def _check(record: Any, expected_seq: int) -> None:
 
 
 def _apply(out: Replay, record: dict[str, Any], path: Path, number: int) -> None:
-    data = record["data"]
+    data = record.get("data")
     kind = record["kind"]
+    if not isinstance(data, dict):
+        raise InputError(path, f"line {number}.data", "missing, or not a JSON object")
     if kind == "state":
-        try:
-            out.state = ClusterState.model_validate(data)
-        except ValueError as err:
-            raise InputError(path, f"line {number}", f"invalid state: {err}") from None
+        out.state = parse(ClusterState, data, path, f"line {number}.data")
     elif kind == "intent":
         out.open_intents[str(data.get("id"))] = data
         if data.get("action") == "submit":

@@ -63,6 +63,7 @@ from pearl.core.observation import (
     Observation,
     TrainerStatus,
     WorkersLost,
+    event_problems,
 )
 from pearl.core.plan import TransitionPlan
 from pearl.core.profile import RuntimeProfile
@@ -253,6 +254,9 @@ class Coordinator:
             trainer=self.trainer(),
             workload=self.workload(),
         )
+        for problem in event_problems(self.state, obs):  # observe() ignores each of them
+            level = logging.INFO if problem.late else logging.WARNING
+            log.log(level, "ignored %s: %s", problem.field, problem.problem)
         self._write_agents()  # before a plan that may take a while, and after it
         profile = self.profile  # once: another thread may replace it (pearl run's calibration)
         t0 = time.perf_counter()

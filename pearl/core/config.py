@@ -10,19 +10,29 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
+from pearl.core.limits import (
+    MAX_ALLOCATIONS,
+    MAX_GPUS,
+    MAX_SECONDS,
+    NonNegFloat,
+    PositiveSeconds,
+    Seconds,
+)
 from pearl.core.state import Frozen
 
-NonNeg = Annotated[float, Field(ge=0.0)]
 Fraction = Annotated[float, Field(ge=0.0, le=1.0)]
+Count = Annotated[int, Field(ge=1, le=1_000_000)]
 
 
 class SelectionConfig(Frozen):
-    exhaustive_limit: Annotated[int, Field(ge=1)] = Field(
+    exhaustive_limit: Count = Field(
         256,
         description="Evaluate every P:D split and TP pair when there are at most this many "
         "candidates; above it, search the split per TP pair (see docs/architecture.md).",
     )
-    top_k: Annotated[int, Field(ge=1)] = Field(8, description="Candidates kept for the logs.")
+    top_k: Annotated[int, Field(ge=1, le=1_000)] = Field(
+        8, description="Candidates kept for the logs."
+    )
     modes: Literal["any", "colocated", "disaggregated"] = Field(
         "any", description="PD modes the selection may choose (baselines fix one)."
     )
@@ -30,13 +40,13 @@ class SelectionConfig(Frozen):
 
 class SwitchingConfig(Frozen):
     rule: str = Field("margin", description="Switching rule by name: margin, always, never.")
-    min_gain_s: NonNeg = Field(
+    min_gain_s: Seconds = Field(
         10.0, description="Switch only if the predicted time saved beats the transition by this."
     )
     min_gain_fraction: Fraction = Field(
         0.05, description="...and by this share of the current predicted completion time."
     )
-    min_dwell_s: NonNeg = Field(
+    min_dwell_s: Seconds = Field(
         60.0, description="No voluntary switch sooner than this after the previous one."
     )
 
@@ -45,13 +55,13 @@ class BorrowingConfig(Frozen):
     rule: str = Field(
         "predictive", description="Borrowing rule by name: predictive, always, never."
     )
-    max_return_delay_s: Annotated[float, Field(gt=0.0)] = Field(
+    max_return_delay_s: PositiveSeconds = Field(
         30.0, description="Longest the trainer may wait for its lent GPUs once it needs them."
     )
-    min_gain_s: NonNeg = Field(
+    min_gain_s: Seconds = Field(
         5.0, description="Lend only if the predicted batch time saved beats the overhead by this."
     )
-    return_margin_s: NonNeg = Field(
+    return_margin_s: Seconds = Field(
         5.0, description="Start returning this long before the return must be complete."
     )
     lend_fraction: Fraction = Field(
@@ -65,18 +75,22 @@ class ElasticConfig(Frozen):
     )
     partition: str = Field("elastic", description="Slurm partition (or QOS) of elastic jobs.")
     gpu_type: str = Field("h100", description="GPU type to request.")
-    gpus_per_allocation: Annotated[int, Field(ge=1)] = Field(8, description="GPUs per request.")
-    max_allocations: Annotated[int, Field(ge=0)] = Field(
+    gpus_per_allocation: Annotated[int, Field(ge=1, le=MAX_GPUS)] = Field(
+        8, description="GPUs per request."
+    )
+    max_allocations: Annotated[int, Field(ge=0, le=MAX_ALLOCATIONS)] = Field(
         4, description="Most elastic allocations pending or held at once."
     )
-    time_limit_min: Annotated[int, Field(ge=1)] = Field(60, description="Slurm time limit.")
-    expected_window_s: Annotated[float, Field(gt=0.0)] = Field(
+    time_limit_min: Annotated[int, Field(ge=1, le=MAX_SECONDS // 60)] = Field(
+        60, description="Slurm time limit."
+    )
+    expected_window_s: PositiveSeconds = Field(
         1800.0, description="Expected life of a grant when Slurm gives no end time."
     )
-    min_window_factor: Annotated[float, Field(ge=1.0)] = Field(
+    min_window_factor: Annotated[float, Field(ge=1.0, le=1e6)] = Field(
         3.0, description="Use a grant only if its remaining window is this many cold starts."
     )
-    min_gain_s_per_gpu: NonNeg = Field(
+    min_gain_s_per_gpu: NonNegFloat = Field(
         1.0, description="Request more only if the predicted time saved per GPU beats this."
     )
 

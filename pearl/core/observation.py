@@ -8,11 +8,13 @@ clock (a test shows it).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Annotated, Literal
 
 from pydantic import Field
 
+from pearl.core.limits import MAX_NODES, Id, PositiveGpuCount, Seconds
 from pearl.core.roles import GpuSource
 from pearl.core.state import (
     Allocation,
@@ -22,8 +24,6 @@ from pearl.core.state import (
     EndReason,
     Frozen,
     Gpu,
-    Id,
-    NonNegFloat,
 )
 from pearl.core.workload import WorkloadSnapshot
 
@@ -31,20 +31,20 @@ from pearl.core.workload import WorkloadSnapshot
 class GrantedNode(Frozen):
     node: Id
     gpu_type: Id
-    num_gpus: Annotated[int, Field(ge=1)]
+    num_gpus: PositiveGpuCount
 
 
 class AllocationGranted(Frozen):
     kind: Literal["allocation_granted"] = "allocation_granted"
     allocation_id: Id
-    nodes: tuple[GrantedNode, ...] = Field(min_length=1)
-    end_by_s: NonNegFloat | None = Field(None, description="Time limit, if Slurm gave one.")
+    nodes: tuple[GrantedNode, ...] = Field(min_length=1, max_length=MAX_NODES)
+    end_by_s: Seconds | None = Field(None, description="Time limit, if Slurm gave one.")
 
 
 class AllocationPreempting(Frozen):
     kind: Literal["allocation_preempting"] = "allocation_preempting"
     allocation_id: Id
-    deadline_s: NonNegFloat = Field(description="End of the grace period.")
+    deadline_s: Seconds = Field(description="End of the grace period.")
 
 
 class AllocationEnded(Frozen):
@@ -57,7 +57,7 @@ class AllocationPending(Frozen):
     kind: Literal["allocation_pending"] = "allocation_pending"
     allocation_id: Id
     gpu_type: Id
-    num_gpus: Annotated[int, Field(ge=1)]
+    num_gpus: PositiveGpuCount
 
 
 class WorkersLost(Frozen):
@@ -84,7 +84,7 @@ class TrainerStatus(Frozen):
     needs_gpus: bool = Field(
         False, description="The next batch is ready: the trainer wants its GPUs back now."
     )
-    step_ends_at_s: NonNegFloat | None = Field(None, description="End of the running update.")
+    step_ends_at_s: Seconds | None = Field(None, description="End of the running update.")
 
 
 class Observation(Frozen):
@@ -107,14 +107,7 @@ def observe(state: ClusterState, obs: Observation, now_s: float) -> ClusterState
         old = allocations.get(ev.allocation_id)
         if isinstance(ev, AllocationPending):
             if old is None:
-                allocations[ev.allocation_id] = Allocation(
-                    allocation_id=ev.allocation_id,
-                    kind=AllocationKind.ELASTIC,
-                    status=AllocationStatus.PENDING,
-                    gpu_type=ev.gpu_type,
-                    num_gpus=ev.num_gpus,
-                    submitted_at_s=now_s,
-                )
+                allocations[ev.allocation_id] = _pending(ev, now_s)
         elif isinstance(ev, AllocationGranted):
             if old is not None and old.status in (AllocationStatus.GRANTED, AllocationStatus.ENDED):
                 continue  # granted already, or ended: a late grant does not revive it
@@ -140,6 +133,87 @@ def observe(state: ClusterState, obs: Observation, now_s: float) -> ClusterState
         allocations=tuple(allocations.values()),
         gpus=tuple(gpus),
         workers=tuple(workers),
+    )
+
+
+@dataclass(frozen=True)
+class EventProblem:
+    """An event that names what the state does not hold. ``late``: it can legitimately
+    arrive after what it names is gone (``observe`` ignores it; the shell logs the reason);
+    otherwise it is impossible, and a document holding it is refused."""
+
+    field: str  # events[i]...
+    problem: str
+    late: bool
+
+
+def event_problems(state: ClusterState, obs: Observation) -> list[EventProblem]:
+    """What each event of ``obs`` names that ``state`` (with the events before it) does
+    not hold, per event:
+
+    - ``allocation_pending`` for an id the state holds: late (a repeated poll);
+    - ``allocation_granted`` for the base job, or with a GPU another allocation holds:
+      impossible; for a granted or ended allocation: late (``observe`` keeps the first);
+    - ``allocation_preempting`` / ``allocation_ended`` for an unknown id: late (ended
+      allocations leave the state, their events may trail);
+    - ``workers_lost`` naming an unknown worker: late (its allocation's end took it).
+    """
+    problems: list[EventProblem] = []
+    allocations = {a.allocation_id: a for a in state.allocations}
+    gpu_owner = {g.gpu_id: g.allocation_id for g in state.gpus}
+    workers = {w.worker_id for w in state.workers}
+    for i, ev in enumerate(obs.events):
+        where = f"events[{i}]"
+        if isinstance(ev, WorkersLost):
+            for j, wid in enumerate(ev.worker_ids):
+                if wid not in workers:
+                    problem = f"unknown worker {wid!r}"
+                    problems.append(EventProblem(f"{where}.worker_ids[{j}]", problem, True))
+            continue
+        old = allocations.get(ev.allocation_id)
+        named = f"allocation {ev.allocation_id!r}"
+        if isinstance(ev, AllocationPending):
+            if old is None:
+                allocations[ev.allocation_id] = _pending(ev)
+            else:
+                problem = f"{named} is known already ({old.status.value})"
+                problems.append(EventProblem(f"{where}.allocation_id", problem, True))
+        elif isinstance(ev, AllocationGranted):
+            problems += _grant_problems(ev, where, old, gpu_owner)
+            if old is None or old.status is AllocationStatus.PENDING:
+                allocations[ev.allocation_id] = _granted(ev, old, 0.0)
+        elif old is None:
+            problem = f"unknown {named} ({ev.kind})"
+            problems.append(EventProblem(f"{where}.allocation_id", problem, True))
+    return problems
+
+
+def _grant_problems(
+    ev: AllocationGranted, where: str, old: Allocation | None, gpu_owner: dict[str, str]
+) -> list[EventProblem]:
+    named = f"allocation {ev.allocation_id!r}"
+    if old is not None and old.kind is AllocationKind.BASE:
+        return [EventProblem(f"{where}.allocation_id", f"{named} is the base job", False)]
+    if old is not None and old.status is not AllocationStatus.PENDING:
+        problem = f"{named} is {old.status.value} already: a late grant"
+        return [EventProblem(f"{where}.allocation_id", problem, True)]
+    for gpu in _gpus_of(ev):
+        owner = gpu_owner.get(gpu.gpu_id)
+        if owner is not None and owner != ev.allocation_id:
+            problem = f"GPU {gpu.gpu_id!r} is held by allocation {owner!r}"
+            return [EventProblem(f"{where}.nodes", problem, False)]
+        gpu_owner[gpu.gpu_id] = ev.allocation_id
+    return []
+
+
+def _pending(ev: AllocationPending, now_s: float = 0.0) -> Allocation:
+    return Allocation(
+        allocation_id=ev.allocation_id,
+        kind=AllocationKind.ELASTIC,
+        status=AllocationStatus.PENDING,
+        gpu_type=ev.gpu_type,
+        num_gpus=ev.num_gpus,
+        submitted_at_s=now_s,
     )
 
 

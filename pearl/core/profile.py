@@ -30,11 +30,11 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 from pydantic import Field, model_validator
 
+from pearl.core.limits import MAX_GPUS_PER_NODE
+from pearl.core.limits import NonNegFloat as NonNeg
+from pearl.core.limits import PositiveFloat as Pos
+from pearl.core.limits import PositiveInt as PosInt
 from pearl.core.state import Frozen
-
-Pos = Annotated[float, Field(gt=0.0)]
-NonNeg = Annotated[float, Field(ge=0.0)]
-PosInt = Annotated[int, Field(gt=0)]
 
 
 class ModelSpec(Frozen):
@@ -92,7 +92,9 @@ class DecodeCoeffs(Frozen):
 
 
 class EngineProfile(Frozen):
-    tp: PosInt = Field(description="Tensor-parallel degree (GPUs per instance).")
+    tp: Annotated[int, Field(ge=1, le=MAX_GPUS_PER_NODE)] = Field(
+        description="Tensor-parallel degree (GPUs per instance)."
+    )
     prefill: PrefillCoeffs
     decode: DecodeCoeffs
     max_num_seqs: PosInt = Field(256, description="Most sequences decoded at once (vLLM).")

@@ -17,10 +17,19 @@ from __future__ import annotations
 from collections import Counter
 from enum import StrEnum
 from functools import cached_property
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from pearl.core.limits import (
+    MAX_ALLOCATIONS,
+    MAX_GPUS,
+    GpuCount,
+    Id,
+    NonNegInt,
+    Seconds,
+    SecondsOrNever,
+)
 from pearl.core.roles import (
     LIVE_PHASES,
     GpuSource,
@@ -30,15 +39,12 @@ from pearl.core.roles import (
     check_role,
 )
 
-NonNegFloat = Annotated[float, Field(ge=0.0)]
-NonNegInt = Annotated[int, Field(ge=0)]
-Id = Annotated[str, Field(min_length=1)]
-
 
 class Frozen(BaseModel):
-    """Base of every document model: immutable, unknown fields rejected."""
+    """Base of every document model: immutable, unknown fields rejected, every number
+    finite (bounds per field: ``pearl.core.limits``)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
 
 class Gpu(Frozen):
@@ -57,7 +63,7 @@ class Worker(Frozen):
     gpu_ids: tuple[Id, ...] = Field(min_length=1, description="GPUs; their count is the TP degree.")
     role: Role = Field(description="Current role; while switching, the role being switched to.")
     phase: Phase = Field(description="Lifecycle phase.")
-    since_s: NonNegFloat = Field(0.0, description="Time the worker entered its phase.")
+    since_s: Seconds = Field(0.0, description="Time the worker entered its phase.")
     weights_version: NonNegInt = Field(0, description="Policy version of the loaded weights.")
 
     @property
@@ -106,10 +112,10 @@ class Allocation(Frozen):
     kind: AllocationKind = Field(description="base or elastic.")
     status: AllocationStatus = Field(description="Where the allocation is in its life.")
     gpu_type: Id | None = Field(None, description="GPU type requested, if any.")
-    num_gpus: NonNegInt = Field(0, description="GPUs requested or held.")
-    submitted_at_s: NonNegFloat | None = Field(None, description="Time of submission.")
-    granted_at_s: NonNegFloat | None = Field(None, description="Time the GPUs became usable.")
-    end_by_s: NonNegFloat | None = Field(
+    num_gpus: GpuCount = Field(0, description="GPUs requested or held.")
+    submitted_at_s: Seconds | None = Field(None, description="Time of submission.")
+    granted_at_s: Seconds | None = Field(None, description="Time the GPUs became usable.")
+    end_by_s: Seconds | None = Field(
         None, description="Time the GPUs must be free: preemption deadline or time limit."
     )
     end_reason: EndReason | None = Field(None, description="Why it ended; None while it lives.")
@@ -122,8 +128,8 @@ class Allocation(Frozen):
 
 class BorrowWindow(Frozen):
     gpu_ids: tuple[Id, ...] = Field(min_length=1, description="The trainer GPUs lent.")
-    lent_at_s: NonNegFloat = Field(description="When the lending started.")
-    return_by_s: NonNegFloat = Field(
+    lent_at_s: Seconds = Field(description="When the lending started.")
+    return_by_s: SecondsOrNever = Field(
         description="When rollout must have vacated the GPUs, so the trainer can onload in time."
     )
     returning: bool = Field(False, description="The return has been decided and is under way.")
@@ -137,13 +143,13 @@ class BorrowWindow(Frozen):
 class ClusterState(Frozen):
     schema_version: Literal[1] = Field(1, description="Version of this document's schema.")
     version: NonNegInt = Field(0, description="Increments with every applied change.")
-    time_s: NonNegFloat = Field(0.0, description="Time this snapshot describes.")
+    time_s: Seconds = Field(0.0, description="Time this snapshot describes.")
     policy_version: NonNegInt = Field(0, description="The trainer's latest weights version.")
-    gpus: tuple[Gpu, ...] = ()
-    workers: tuple[Worker, ...] = ()
-    allocations: tuple[Allocation, ...] = ()
+    gpus: tuple[Gpu, ...] = Field((), max_length=MAX_GPUS)
+    workers: tuple[Worker, ...] = Field((), max_length=MAX_GPUS)
+    allocations: tuple[Allocation, ...] = Field((), max_length=MAX_ALLOCATIONS)
     borrow: BorrowWindow | None = Field(None, description="Open borrow window, if any.")
-    last_pd_switch_s: NonNegFloat | None = Field(
+    last_pd_switch_s: Seconds | None = Field(
         None, description="When the PD configuration last changed (for the dwell time)."
     )
 

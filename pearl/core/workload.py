@@ -22,10 +22,19 @@ import numpy as np
 from numpy.typing import NDArray
 from pydantic import Field, model_validator
 
+from pearl.core.limits import (
+    MAX_TOKENS,
+    MAX_TRAJECTORIES,
+    GroupSize,
+    Id,
+    NonNegFloat,
+    Seconds,
+    Tokens,
+    TrajectoryCount,
+    Turns,
+)
 from pearl.core.profile import WorkloadDefaults
-from pearl.core.state import Frozen, NonNegFloat, NonNegInt
-
-PosInt = Annotated[int, Field(ge=1)]
+from pearl.core.state import Frozen
 
 
 class TrajPhase(StrEnum):
@@ -36,16 +45,16 @@ class TrajPhase(StrEnum):
 
 
 class TrajectoryProgress(Frozen):
-    traj_id: Annotated[str, Field(min_length=1)]
+    traj_id: Id
     phase: TrajPhase
-    context_tokens: NonNegInt = Field(description="Tokens of context so far.")
-    remaining_turns: NonNegFloat = Field(
+    context_tokens: Tokens = Field(description="Tokens of context so far.")
+    remaining_turns: Turns = Field(
         description="Expected turns still to start or finish, the current one included "
         "(in env: the turns after the tool call)."
     )
-    turn_output_tokens: NonNegInt = Field(0, description="Tokens generated in the current turn.")
-    env_remaining_s: NonNegFloat = Field(0.0, description="Expected rest of the current env step.")
-    group_id: Annotated[str, Field(min_length=1)] | None = Field(
+    turn_output_tokens: Tokens = Field(0, description="Tokens generated in the current turn.")
+    env_remaining_s: Seconds = Field(0.0, description="Expected rest of the current env step.")
+    group_id: Id | None = Field(
         None,
         description="The GRPO group (prompt) the trajectory samples; required when the "
         "snapshot asks for a next batch (WorkloadSnapshot.next_batch).",
@@ -59,9 +68,9 @@ class TurnStats(Frozen):
     straggler (the slowest of many trajectories, not the mean one; ``docs/predictor.md``).
     """
 
-    output_tokens_per_turn: Annotated[float, Field(gt=0)]
+    output_tokens_per_turn: Annotated[float, Field(gt=0, le=MAX_TOKENS)]
     observation_tokens_per_turn: NonNegFloat
-    env_latency_s: NonNegFloat
+    env_latency_s: Seconds
     output_tokens_sd: NonNegFloat | None = Field(None, description="Per-turn output spread.")
     env_latency_sd_s: NonNegFloat | None = Field(None, description="Per-turn env latency spread.")
     turns_cv: NonNegFloat | None = Field(
@@ -82,11 +91,11 @@ class NextBatch(Frozen):
     is the first ``groups_needed`` groups to complete (``docs/predictor.md``).
     """
 
-    groups_needed: NonNegInt = Field(
+    groups_needed: TrajectoryCount = Field(
         description="Complete groups the trainer still waits for (0: the batch is ready)."
     )
-    group_size: PosInt = Field(description="Trajectories per group (samples per prompt).")
-    not_started_after_s: NonNegFloat = Field(
+    group_size: GroupSize = Field(description="Trajectories per group (samples per prompt).")
+    not_started_after_s: Seconds = Field(
         0.0,
         description="The not-started groups begin this long from now (admitted at the end "
         "of the update that runs); when the batch needs them, it completes that much later.",
@@ -94,8 +103,8 @@ class NextBatch(Frozen):
 
 
 class WorkloadSnapshot(Frozen):
-    trajectories: tuple[TrajectoryProgress, ...] = ()
-    not_started: NonNegInt = Field(
+    trajectories: tuple[TrajectoryProgress, ...] = Field((), max_length=MAX_TRAJECTORIES)
+    not_started: TrajectoryCount = Field(
         0,
         description="Trajectories admitted but not begun yet (with next_batch: whole "
         "groups of group_size, each trajectory from the profile's defaults).",
@@ -115,6 +124,11 @@ class WorkloadSnapshot(Frozen):
         ids = [t.traj_id for t in self.trajectories]
         if len(set(ids)) != len(ids):
             raise ValueError("trajectories: duplicate traj_id")
+        if self.num_unfinished > MAX_TRAJECTORIES:
+            raise ValueError(
+                f"not_started: {self.num_unfinished} unfinished trajectories in all, more "
+                f"than the {MAX_TRAJECTORIES} in flight pearl is built for"
+            )
         return self
 
     @model_validator(mode="after")

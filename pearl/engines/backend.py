@@ -28,10 +28,11 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
+from pearl.core.limits import PositiveTokens
 from pearl.core.state import Frozen
 from pearl.engines.vllm import VllmServe, render, shell_line
 
-PosInt = Annotated[int, Field(gt=0)]
+PosInt = Annotated[int, Field(gt=0, le=1_000_000)]
 Fraction = Annotated[float, Field(gt=0, le=1)]
 
 # Stand-ins for the agent's placeholders while a command is rendered (no braces, so the
@@ -57,7 +58,7 @@ class EngineSection(Frozen):
         description="Model directory (Hugging Face layout), absolute or relative to the "
         "configuration file; every node must see it (shared file system).",
     )
-    max_model_len: PosInt | None = Field(
+    max_model_len: PositiveTokens | None = Field(
         None, description="Longest prompt plus output in tokens (None: the model's)."
     )
     tensor_parallel_size: PosInt = Field(
@@ -66,7 +67,7 @@ class EngineSection(Frozen):
     gpu_memory_utilization: Fraction | None = Field(
         None, description="vllm only: share of each GPU's memory vLLM takes (None: 0.9)."
     )
-    kv_cache_tokens: PosInt | None = Field(
+    kv_cache_tokens: PositiveTokens | None = Field(
         None, description="reference only: KV cache size in tokens (None: its default)."
     )
     max_num_seqs: PosInt | None = Field(

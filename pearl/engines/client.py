@@ -24,7 +24,6 @@ fresh client under ``asyncio.run``.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from types import TracebackType
 from typing import Any, Literal, TypeVar
@@ -33,9 +32,11 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from pearl.engines.vllm_weights import METHOD as PUBLISHED_WEIGHTS_METHOD
+from pearl.io.untrusted import UntrustedInput, loads_json
 
 JsonDict = dict[str, Any]
 T = TypeVar("T")
+MAX_ANSWER_BYTES = 256 * 2**20  # one answer or stream event (the largest: prompt logprobs)
 PauseMode = Literal["abort", "wait", "keep"]
 
 
@@ -58,7 +59,7 @@ class EngineUnreachable(EngineError):
 def error_message(body: bytes, reason: str) -> str:
     """The message of an engine's error body (see the module docstring)."""
     try:
-        doc = json.loads(body)
+        doc = loads_json(body, max_bytes=MAX_ANSWER_BYTES)
     except ValueError:
         text = body.decode(errors="replace").strip()
         return text.splitlines()[0] if text else reason
@@ -166,7 +167,10 @@ class EngineClient:
         r = await self._request(method, path, **kw)
         if not r.content:
             return {}
-        doc = r.json()
+        try:
+            doc = loads_json(r.content, max_bytes=MAX_ANSWER_BYTES)
+        except UntrustedInput as err:
+            raise EngineError(502, f"the engine's answer: {err}", str(r.url)) from None
         return doc if isinstance(doc, dict) else {"result": doc}
 
     async def _stream(
@@ -186,7 +190,10 @@ class EngineClient:
                     data = line[5:].strip()
                     if data == "[DONE]":
                         return
-                    event = json.loads(data)
+                    try:
+                        event = loads_json(data, max_bytes=MAX_ANSWER_BYTES)
+                    except UntrustedInput as bad:
+                        raise EngineError(502, f"the engine's event: {bad}", url) from None
                     if isinstance(event, dict) and "error" in event:
                         err = event["error"]
                         code = err.get("code") if isinstance(err, dict) else None

@@ -6,8 +6,6 @@ command line prints it as one line and exits with status 2.
 
 from __future__ import annotations
 
-import json
-import math
 import re
 from importlib import resources
 from pathlib import Path
@@ -16,7 +14,17 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from pearl.core.config import PolicyConfig
+from pearl.core.decide import POLICIES
 from pearl.core.profile import RuntimeProfile
+from pearl.core.registry import UnknownName, check_names
+from pearl.io.untrusted import (
+    MAX_DOCUMENT_BYTES,
+    UntrustedInput,
+    join_field,
+    loads_json,
+    loads_yaml,
+)
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -24,20 +32,26 @@ _FIELD_PREFIX = re.compile(r"^([A-Za-z_][\w.\[\]]*): ")
 
 
 class InputError(Exception):
+    """One line, always: a newline or another control character in a name or a value
+    the problem quotes is escaped (``\\n``)."""
+
     def __init__(self, path: str | Path, field: str, problem: str) -> None:
-        super().__init__(f"{path}: {field or '(document)'}: {problem}")
+        field, problem = one_line(field), one_line(problem)
+        super().__init__(f"{one_line(str(path))}: {field or '(document)'}: {problem}")
         self.path, self.field, self.problem = str(path), field, problem
 
 
-MAX_DOCUMENT_BYTES = 64 * 2**20  # an input document at most (the largest shipped: < 1 MiB)
-MAX_DEPTH = 32  # nesting of objects and lists (pearl's deepest schema: under 10)
+def one_line(text: str) -> str:
+    """``text`` with its control characters escaped, as ``repr`` writes them."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def read_document(path: str | Path) -> Any:
-    """Parse a JSON or YAML file (by suffix; YAML when unsure), as pearl reads every
-    document it is given: at most ``MAX_DOCUMENT_BYTES``, nested at most ``MAX_DEPTH``
-    deep, every number finite (``NaN``, ``Infinity``, ``.inf``, ``1e999`` are refused).
-    Each problem is one ``InputError``."""
+    """Parse a JSON or YAML file (by suffix; YAML when unsure) as pearl parses every
+    untrusted text (``pearl.io.untrusted``: size, depth, expansion, finite numbers,
+    valid text). Each problem is one ``InputError``."""
     p = Path(path)
     try:
         size = p.stat().st_size
@@ -47,46 +61,16 @@ def read_document(path: str | Path) -> Any:
         text = p.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise InputError(p, "", "no such file") from None
-    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as err:
+    except (IsADirectoryError, NotADirectoryError, PermissionError) as err:
         raise InputError(p, "", f"cannot read: {err.__class__.__name__}") from None
-    return _checked(p, _parse(p, text))
-
-
-def _parse(p: Path, text: str) -> Any:
+    except UnicodeDecodeError:
+        raise InputError(p, "", "not UTF-8 text") from None
     try:
         if p.suffix == ".json":
-            try:
-                return json.loads(text)  # NaN, Infinity: floats the walk names
-            except json.JSONDecodeError as err:
-                where = f"line {err.lineno}"
-                raise InputError(p, where, f"malformed JSON: {err.msg}") from None
-        try:
-            return yaml.safe_load(text)
-        except yaml.YAMLError as err:
-            mark = getattr(err, "problem_mark", None)
-            where = f"line {mark.line + 1}" if mark is not None else ""
-            problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-            raise InputError(p, where, f"malformed YAML: {problem}") from None
-    except RecursionError:
-        raise InputError(p, "", f"nested more than {MAX_DEPTH} deep") from None
-
-
-def _checked(p: Path, doc: Any) -> Any:
-    """``doc`` if no value nests deeper than ``MAX_DEPTH`` and every number is finite."""
-    stack: list[tuple[Any, str, int]] = [(doc, "", 0)]
-    while stack:
-        value, where, depth = stack.pop()
-        if isinstance(value, float) and not math.isfinite(value):
-            raise InputError(p, where, f"{value} is not a finite number")
-        if isinstance(value, dict | list):
-            if depth >= MAX_DEPTH:
-                raise InputError(p, where, f"nested more than {MAX_DEPTH} deep")
-            if isinstance(value, dict):
-                named = [(str(k), v) for k, v in value.items()]
-            else:
-                named = [(f"[{i}]", v) for i, v in enumerate(value)]
-            stack += [(item, _join(where, key), depth + 1) for key, item in named]
-    return doc
+            return loads_json(text, max_bytes=MAX_DOCUMENT_BYTES)
+        return loads_yaml(text, max_bytes=MAX_DOCUMENT_BYTES)
+    except UntrustedInput as err:
+        raise InputError(p, err.field, err.problem) from None
 
 
 def read_object(path: str | Path) -> dict[str, Any]:
@@ -107,7 +91,17 @@ def parse(model: type[M], data: Any, path: str | Path, field: str = "") -> M:
         more = err.error_count() - 1
         if more:
             problem += f" (and {more} more problem{'s' if more > 1 else ''})"
-        raise InputError(path, _join(field, loc), problem) from None
+        raise InputError(path, join_field(field, loc), problem) from None
+
+
+def check_policy_names(cfg: PolicyConfig, path: str | Path, field: str = "") -> None:
+    """Every policy and rule ``cfg`` names is registered: checked as the document that
+    holds it is loaded, not minutes into a run (``field``: where ``cfg`` sits in it)."""
+    try:
+        check_names(cfg, POLICIES)
+    except UnknownName as err:
+        where, _, problem = str(err).partition(": ")
+        raise InputError(path, join_field(field, where), problem) from None
 
 
 def load_profile(
@@ -148,9 +142,5 @@ def _split(loc: tuple[int | str, ...], msg: str) -> tuple[str, str]:
     first = msg.split("; ")[0]
     m = _FIELD_PREFIX.match(first)
     if m:
-        return _join(path, m.group(1)), first[m.end() :]
+        return join_field(path, m.group(1)), first[m.end() :]
     return path, msg
-
-
-def _join(*parts: str) -> str:
-    return ".".join(p for p in parts if p).replace(".[", "[")

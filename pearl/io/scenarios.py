@@ -14,7 +14,13 @@ import os
 from pathlib import Path
 
 from pearl.core.profile import RuntimeProfile
-from pearl.io.documents import InputError, load_profile, parse, read_document
+from pearl.io.documents import (
+    InputError,
+    check_policy_names,
+    load_profile,
+    parse,
+    read_document,
+)
 from pearl.sim.scenario import Scenario
 
 
@@ -27,6 +33,7 @@ def load_scenario_and_profile(path: str | Path) -> tuple[Scenario, RuntimeProfil
     """The validated scenario at ``path`` and the runtime profile it names."""
     p = Path(path)
     scenario = parse(Scenario, read_document(p), p)
+    check_policy_names(scenario.policy, p, "policy")
     profile = load_profile(scenario.profile, relative_to=p.parent, named_in=p)
     known = ", ".join(sorted(profile.gpus))
     for field, gpu_type in scenario.gpu_types():

@@ -25,6 +25,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from pearl.io.documents import InputError
+from pearl.io.untrusted import MAX_DOCUMENT_BYTES, UntrustedInput, join_field, loads_json
 from pearl.sim.availability import Window, windows_from_idle_series
 from pearl.sim.trajectories import TrajectoryModel, fit_trajectory_model
 
@@ -117,9 +118,10 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise InputError(path, f"line {number}", f"malformed JSON: {err.msg}") from None
+            row = loads_json(line, max_bytes=MAX_DOCUMENT_BYTES)
+        except UntrustedInput as err:
+            where = join_field(f"line {number}", err.field.removeprefix("line 1"))
+            raise InputError(path, where, err.problem) from None
         if not isinstance(row, dict):
             raise InputError(path, f"line {number}", "expected a JSON object")
         yield number, row
@@ -210,11 +212,11 @@ def _stamp(text: Any) -> datetime:
 def read_swe_agent_latencies_s(path: Path) -> Floats:
     """``execution_time`` of each step that records one (older trajectories have none)."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = loads_json(path.read_text(encoding="utf-8"), max_bytes=MAX_DOCUMENT_BYTES)
     except (OSError, UnicodeDecodeError) as err:
         raise InputError(path, "", f"cannot read: {err.__class__.__name__}") from None
-    except json.JSONDecodeError as err:
-        raise InputError(path, f"line {err.lineno}", f"malformed JSON: {err.msg}") from None
+    except UntrustedInput as err:
+        raise InputError(path, err.field, err.problem) from None
     steps = data.get("trajectory") if isinstance(data, dict) else None
     if not isinstance(steps, list):
         raise InputError(path, "trajectory", "expected a list of steps")

@@ -19,6 +19,7 @@ import httpx
 
 from pearl.control.messages import ControlAction
 from pearl.core.plan import PlanStep
+from pearl.io.untrusted import MAX_DOCUMENT_BYTES, loads_json
 from pearl.router.plan_steps import MAX_REASON_CHARS, StepPhase, concerns_router
 
 if TYPE_CHECKING:
@@ -97,8 +98,10 @@ class RouterSteps:
         try:
             resp = self._client.post(url, json=body, timeout=self.timeout_s)
             if resp.status_code == 200:
-                answer: dict[str, Any] = resp.json()
-                return answer
+                answer = loads_json(resp.content, max_bytes=MAX_DOCUMENT_BYTES)
+                if isinstance(answer, dict):
+                    return answer
+                raise ValueError("the answer is not a JSON object")
             why = f"HTTP {resp.status_code}: {resp.text[:500]}"
         except (httpx.HTTPError, ValueError) as err:
             why = f"{type(err).__name__}: {err}"

@@ -15,17 +15,31 @@ from pydantic import Field, model_validator
 from pearl.agents.loop import Limits
 from pearl.agents.manager import RolloutConfig
 from pearl.core.config import PolicyConfig
+from pearl.core.limits import (
+    GroupSize,
+    NonNegInt,
+    PositiveSeconds,
+    PositiveTokens,
+    PositiveTrajectoryCount,
+)
 from pearl.core.profile import RuntimeProfile
-from pearl.core.state import Frozen, NonNegInt
+from pearl.core.state import Frozen
 from pearl.envs import registry
-from pearl.io.documents import InputError, load_profile, parse, read_document
+from pearl.io.documents import (
+    InputError,
+    check_policy_names,
+    load_profile,
+    parse,
+    read_document,
+)
 from pearl.rollout.rules import Batching, PastBound, RolloutRules
 from pearl.router.router import Sampling
 from pearl.trainer.config import TrainerConfig
 from pearl.trainer.megatron.config import MegatronOptions
 
-PosInt = Annotated[int, Field(gt=0)]
-PosFloat = Annotated[float, Field(gt=0)]
+PosInt = Annotated[int, Field(gt=0, le=1_000_000)]  # a count: a million at most
+PosFloat = PositiveSeconds
+Temperature = Annotated[float, Field(gt=0, le=100)]
 
 
 class ModelSection(Frozen):
@@ -38,24 +52,26 @@ class ModelSection(Frozen):
 
 
 class RolloutSection(Frozen):
-    group_size: PosInt = Field(4, description="Samples per task (a GRPO group).")
-    batch_trajectories: PosInt = Field(
+    group_size: GroupSize = Field(4, description="Samples per task (a GRPO group).")
+    batch_trajectories: PositiveTrajectoryCount = Field(
         256, description="Trajectories per update (whole groups: a multiple of group_size)."
     )
     max_staleness_versions: NonNegInt = Field(
         1, description="A trajectory is trained at most this many versions after admission."
     )
-    max_in_flight: PosInt | None = Field(
+    max_in_flight: PositiveTrajectoryCount | None = Field(
         None, description="Running trajectories at most (None: as the staleness bound allows)."
     )
     batching: Batching = Field(Batching.FIRST_COMPLETED, description="How a batch is formed.")
     past_bound: PastBound = Field(
         PastBound.INTERRUPT, description="What an update does to trajectories past the bound."
     )
-    max_tokens: PosInt = Field(16, description="Tokens a model turn may generate.")
-    temperature: PosFloat = Field(1.0, description="Sampling temperature.")
+    max_tokens: PositiveTokens = Field(16, description="Tokens a model turn may generate.")
+    temperature: Annotated[float, Field(gt=0, le=100)] = Field(
+        1.0, description="Sampling temperature."
+    )
     max_turns: PosInt = Field(4, description="Model turns per trajectory at most.")
-    max_context_tokens: PosInt = Field(1024, description="Context of a trajectory at most.")
+    max_context_tokens: PositiveTokens = Field(1024, description="Context of a trajectory at most.")
     step_timeout_s: PosFloat = Field(30.0, description="An environment step's time limit.")
     seed: int = Field(0, description="Tasks (environment seeds) and sampling seeds.")
 
@@ -99,7 +115,7 @@ class VllmEngineOptions(Frozen):
     gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] | None = Field(
         None, description="Share of each GPU's memory vLLM takes (None: vLLM's 0.9)."
     )
-    max_model_len: PosInt | None = Field(
+    max_model_len: PositiveTokens | None = Field(
         None, description="Longest prompt plus output in tokens (None: the model's)."
     )
     extra_args: tuple[str, ...] = Field(
@@ -190,7 +206,7 @@ class CoordinatorSection(Frozen):
         description="Elastic slots at most (LocalBackend, on the shipped availability "
         "windows); 0: none. The policy's elastic rule decides whether to ask.",
     )
-    elastic_time_scale: PosFloat = Field(
+    elastic_time_scale: Annotated[float, Field(gt=0, le=1e6)] = Field(
         1000.0, description="Trace seconds per run second of the availability windows."
     )
     elastic_offset_s: float = Field(5.0, description="Run time of the windows' start.")
@@ -343,6 +359,7 @@ def load_run_config(path: str | Path | None) -> tuple[RunConfig, Path]:
     p = Path(path)
     config = parse(RunConfig, read_document(p), p)
     registry.config_of(config.env, p)  # the environment's own checks, naming env.FIELD
+    check_policy_names(config.coordinator.policy_config(), p, "coordinator.policy")
     if config.cluster == "slurm":
         cluster_profile(config, p.parent, p)  # GPU types the profile cannot cost, named here
     return config, p.parent

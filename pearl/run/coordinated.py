@@ -46,11 +46,12 @@ from pearl.coordinator.loop import Coordinator, workload_file
 from pearl.core.calibration import BatchCalibration, scaled_engines
 from pearl.core.config import PolicyConfig
 from pearl.core.decision import Decision, ElasticRequest
+from pearl.core.limits import NonNegInt
 from pearl.core.observation import Event, Observation
 from pearl.core.plan import Action
 from pearl.core.profile import RuntimeProfile
 from pearl.core.roles import Role, WorkerKind
-from pearl.core.state import ClusterState, Frozen, NonNegInt
+from pearl.core.state import ClusterState, Frozen
 from pearl.io.atomic import write_text_atomic
 from pearl.io.documents import load_profile, parse, read_document
 from pearl.router.plan_steps import PlanSteps

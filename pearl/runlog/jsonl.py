@@ -18,6 +18,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO
 
+from pearl.io.untrusted import MAX_DOCUMENT_BYTES, UntrustedInput, loads_json
 from pearl.runlog.schema import RECORD_TYPES, SCHEMA_VERSION, Record, decode, encode
 
 
@@ -65,8 +66,8 @@ def read_records(path: Path, stats: ReadStats | None = None) -> Iterator[Record]
         for line in f:
             stats.lines += 1
             try:
-                data = json.loads(line)
-            except json.JSONDecodeError:
+                data = loads_json(line, max_bytes=MAX_DOCUMENT_BYTES)
+            except UntrustedInput:  # malformed, nested too deep, not finite, ...
                 stats.malformed += 1
                 continue
             if not isinstance(data, dict):

@@ -19,11 +19,10 @@ from typing import Annotated, Any, ClassVar, Literal, get_args
 
 from pydantic import Field, TypeAdapter, ValidationError
 
-from pearl.core.state import Frozen, NonNegFloat, NonNegInt
+from pearl.core.limits import NonNegFloat, NonNegInt, Seconds
+from pearl.core.state import Frozen
 
 SCHEMA_VERSION = 1
-
-Seconds = NonNegFloat
 
 
 class _Record(Frozen):

@@ -26,15 +26,28 @@ from typing import Annotated, Literal
 from pydantic import Field, model_validator
 
 from pearl.core.config import PolicyConfig
+from pearl.core.limits import (
+    MAX_GPUS_PER_NODE,
+    MAX_SEEDS,
+    GroupSize,
+    Id,
+    NodeCount,
+    NonNegFloat,
+    NonNegInt,
+    PositiveGpuCount,
+    PositiveSeconds,
+    PositiveTokens,
+    PositiveTrajectoryCount,
+    Seconds,
+    Turns,
+)
+from pearl.core.limits import PositiveFloat as PosFloat
 from pearl.core.state import Frozen
 from pearl.rollout.rules import Batching, PastBound, RolloutRules
 from pearl.sim.availability import GPUS_PER_NODE
 
-PosInt = Annotated[int, Field(ge=1)]
-NonNegInt = Annotated[int, Field(ge=0)]
-PosFloat = Annotated[float, Field(gt=0.0)]
-NonNegFloat = Annotated[float, Field(ge=0.0)]
-GpuType = Annotated[str, Field(min_length=1)]
+PosInt = Annotated[int, Field(ge=1, le=1_000_000)]
+GpuType = Id
 # A file or folder; the loader expands $VARIABLES and ~ and resolves it against the scenario.
 DataPath = Annotated[str, Field(min_length=1)]
 
@@ -46,8 +59,10 @@ def _at_most_one(section: Frozen, first: str, second: str) -> None:
 
 
 class NodeGroup(Frozen):
-    nodes: NonNegInt = Field(description="Number of nodes.")
-    gpus_per_node: PosInt = Field(GPUS_PER_NODE, description="GPUs on each node.")
+    nodes: NodeCount = Field(description="Number of nodes.")
+    gpus_per_node: Annotated[int, Field(ge=1, le=MAX_GPUS_PER_NODE)] = Field(
+        GPUS_PER_NODE, description="GPUs on each node."
+    )
     gpu_type: GpuType = Field(description="GPU type as named in the runtime profile.")
 
     @property
@@ -62,13 +77,13 @@ class ClusterSection(Frozen):
 
 class TraceElastic(Frozen):
     gpu_type: GpuType = Field(description="GPU type the trace's windows are granted as.")
-    min_duration_s: NonNegFloat = Field(
+    min_duration_s: Seconds = Field(
         600.0, description="Windows shorter than this are dropped (availability rule 4)."
     )
-    offset_s: NonNegFloat = Field(
+    offset_s: Seconds = Field(
         0.0, description="Trace time that maps to simulated time 0 (the run's start)."
     )
-    max_gpus: PosInt | None = Field(
+    max_gpus: PositiveGpuCount | None = Field(
         None, description="Cap on elastic GPUs open at once; None = no cap."
     )
     windows_file: DataPath | None = Field(
@@ -91,12 +106,14 @@ class TraceElastic(Frozen):
 class SyntheticElastic(Frozen):
     gpu_type: GpuType = Field(description="GPU type of the synthetic windows.")
     arrivals_per_h: PosFloat = Field(description="Poisson arrival rate of windows, per hour.")
-    lifetime_median_s: PosFloat = Field(description="Median of the lognormal window lifetime.")
+    lifetime_median_s: PositiveSeconds = Field(
+        description="Median of the lognormal window lifetime."
+    )
     lifetime_sigma: NonNegFloat = Field(description="Log-space sigma of the window lifetime.")
-    gpus_per_allocation: PosInt = Field(
+    gpus_per_allocation: PositiveGpuCount = Field(
         GPUS_PER_NODE, description="GPUs of each window (whole nodes)."
     )
-    max_gpus: PosInt | None = Field(
+    max_gpus: PositiveGpuCount | None = Field(
         None, description="Arrivals that would open more GPUs than this are dropped."
     )
 
@@ -114,13 +131,13 @@ class ElasticSection(Frozen):
     synthetic: SyntheticElastic | None = Field(
         None, description="Settings when source is synthetic."
     )
-    queue_delay_median_s: NonNegFloat = Field(
+    queue_delay_median_s: Seconds = Field(
         30.0, description="Median of the lognormal Slurm queueing delay before a grant."
     )
     queue_delay_sigma: NonNegFloat = Field(
         0.0, description="Log-space sigma of the Slurm queueing delay."
     )
-    grace_s: NonNegFloat = Field(
+    grace_s: Seconds = Field(
         0.0, description="Preemption grace period: notice before the owner reclaims GPUs."
     )
 
@@ -157,10 +174,10 @@ class WorkloadScaling(Frozen):
     observation_tokens_per_turn: PosFloat | None = Field(
         None, description="Mean tokens the environment appends per turn."
     )
-    env_latency_s: NonNegFloat | None = Field(
+    env_latency_s: Seconds | None = Field(
         None, description="Mean environment (tool) latency per turn."
     )
-    turns_per_trajectory: Annotated[float, Field(ge=1.0)] | None = Field(
+    turns_per_trajectory: Annotated[Turns, Field(ge=1.0)] | None = Field(
         None, description="Mean turns per trajectory."
     )
 
@@ -170,17 +187,17 @@ class WorkloadScaling(Frozen):
 
 
 class RolloutSection(Frozen):
-    batch_trajectories: PosInt = Field(
+    batch_trajectories: PositiveTrajectoryCount = Field(
         description="B: trajectories the trainer consumes per training step."
     )
     staleness_versions: NonNegInt = Field(
         description="η: a trajectory is consumed at most η policy versions after the one it "
         "was admitted (or re-based) under (AReaL max_head_offpolicyness)."
     )
-    group_size: PosInt = Field(
+    group_size: GroupSize = Field(
         1, description="Samples per prompt (a GRPO group); batch_trajectories is a multiple."
     )
-    max_in_flight: PosInt | None = Field(
+    max_in_flight: PositiveTrajectoryCount | None = Field(
         None, description="Running trajectories at most (AReaL max_concurrent_rollouts)."
     )
     batching: Batching = Field(
@@ -199,7 +216,7 @@ class RolloutSection(Frozen):
     workload: WorkloadScaling = Field(
         WorkloadScaling(), description="Workload means; None = from the traces."
     )
-    max_context_tokens: PosInt = Field(
+    max_context_tokens: PositiveTokens = Field(
         description="The model's context length; prompts are clipped to it."
     )
     workload_file: DataPath | None = Field(
@@ -232,7 +249,7 @@ class RolloutSection(Frozen):
 
 
 class TrainingSection(Frozen):
-    train_step_s: PosFloat | None = Field(
+    train_step_s: PositiveSeconds | None = Field(
         None, description="Time of one update; None = the profile's costs.train_step_s."
     )
     weight_sync_every_update: bool = Field(
@@ -246,8 +263,10 @@ class Scenario(Frozen):
     profile: Annotated[str, Field(min_length=1)] = Field(
         description="Runtime profile: a shipped name (qwen3-8b) or a YAML path."
     )
-    duration_s: PosFloat = Field(description="Simulated time of one run.")
-    seeds: PosInt = Field(3, description="Default number of seeds (runs) per policy.")
+    duration_s: PositiveSeconds = Field(description="Simulated time of one run.")
+    seeds: Annotated[int, Field(ge=1, le=MAX_SEEDS)] = Field(
+        3, description="Default number of seeds (runs) per policy."
+    )
     cluster: ClusterSection = Field(description="The base job.")
     elastic: ElasticSection = Field(description="External (elastic) GPUs.")
     rollout: RolloutSection = Field(description="Rollout batch, staleness and workload.")

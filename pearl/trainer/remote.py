@@ -32,6 +32,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 from pearl.agents.batches import RolloutBatch, batch_text, first_error
 from pearl.control import pdeath
 from pearl.control.workers import free_port
+from pearl.io.untrusted import MAX_DOCUMENT_BYTES, loads_json
 from pearl.trainer.config import TrainerConfig
 from pearl.trainer.protocol import TrainMetrics
 
@@ -80,8 +81,8 @@ class RemoteTrainer:
         except httpx.TransportError as err:
             raise TrainerLost(f"trainer {self.url}{route}: no answer: {err}") from err
         try:
-            doc = r.json()
-        except ValueError:
+            doc = loads_json(r.content, max_bytes=MAX_DOCUMENT_BYTES)
+        except ValueError:  # not JSON, or not within pearl.io.untrusted's bounds
             doc = None
         if r.status_code != 200:
             error = doc.get("error") if isinstance(doc, dict) else None

@@ -108,7 +108,7 @@ def test_a_peer_that_knocks_and_dies_does_not_block_the_next(
 def test_hostile_knocks_leave_the_listener_admitting_an_agent_at_once(
     coord: Coordinator, tmp_path: Path
 ) -> None:
-    """A knock of ~3 KB of nested JSON (``RecursionError`` in the parser), silent peers
+    """A knock of ~3 KB of nested JSON (once a ``RecursionError`` in the parser), silent peers
     holding their connections, a flood of garbage lines, all at once: each is refused on
     its own, and a knock with the right token is admitted within 1 s; an agent then
     joins and works."""
@@ -120,7 +120,10 @@ def test_hostile_knocks_leave_the_listener_admitting_an_agent_at_once(
     nested = b"[" * 1500 + b"]" * 1500 + b"\n"
     with socket.create_connection(address, timeout=5) as s:
         s.sendall(nested)
-        assert b"nested too deeply" in s.recv(4096)
+        assert b"not a knock line" in s.recv(4096)
+    with socket.create_connection(address, timeout=5) as s:  # the token before the rest
+        s.sendall(b"pearl-knock wrong 2 " + b"[" * 2000 + b"\n")
+        assert b"wrong token" in s.recv(4096)
     silent = [socket.create_connection(address, timeout=5) for _ in range(20)]
     stop = threading.Event()
 

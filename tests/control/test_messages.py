@@ -58,7 +58,7 @@ def test_round_trip(msg: object) -> None:
 @pytest.mark.parametrize(
     ("raw", "needle"),
     [
-        (b"{not json", "not JSON"),
+        (b"{not json", "malformed JSON"),
         (b"[1]", "JSON object"),
         (b'{"type": "bye"}', "field 'v'"),
         (b'{"v": 2, "type": "bye"}', "unsupported protocol version 2"),
@@ -72,7 +72,7 @@ def test_round_trip(msg: object) -> None:
             b' "gpus": [{"id": 0, "type": "h100"}]}',
             "'gpus.0.id'",
         ),
-        (b"\xff\xfe", "not JSON"),
+        (b"\xff\xfe", "malformed JSON"),
         (
             b'{"v": 1, "type": "command", "cmd_id": "c", "step_id": 0, "action": "explode",'
             b' "worker_id": "w", "deadline_s": 1}',
@@ -93,8 +93,10 @@ def test_round_trip(msg: object) -> None:
             b' "worker_id": "w", "role": "boss", "deadline_s": 1}',
             "command field 'role': Input should be 'train', 'colocated'",
         ),
-        (b"[" * 3000 + b"]" * 3000, "message nested too deeply"),
-        (b'{"v": 1, "type": "heartbeat", "seq": 0, "t": NaN}', "not finite (NaN)"),
+        (b"[" * 3000 + b"]" * 3000, "nested more than 32 deep"),
+        (b'{"v": 1, "type": "heartbeat", "seq": 0, "t": NaN}', "t: nan is not a finite number"),
+        (b'{"v": 1, "type": "heartbeat", "seq": 0, "t": 1e999}', "t: inf is not a finite"),
+        (b'{"v": 1, "type": "bye", "reason": "\\ud800"}', "reason: text with a lone surrogate"),
     ],
 )
 def test_malformed_messages_name_the_problem(raw: bytes, needle: str) -> None:

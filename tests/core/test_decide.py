@@ -63,7 +63,7 @@ def test_a_state_at_its_best_target_gets_an_empty_plan(profile: RuntimeProfile) 
 
 def test_margin_rule_keeps_the_running_config_for_small_gains(profile: RuntimeProfile) -> None:
     state = build_state(Layout(1, 2, 1))
-    huge_margin = PolicyConfig(switching=SwitchingConfig(min_gain_s=1e9))
+    huge_margin = PolicyConfig(switching=SwitchingConfig(min_gain_s=1e7))
     d = decide(state, _obs(), huge_margin, profile, 10.0)
     assert not d.switch.switch and d.plan.empty and "needed" in d.switch.reason
 
