@@ -1,4 +1,6 @@
-"""A Python tool sandbox: the model's code runs in a fresh subprocess under limits.
+"""A Python tool sandbox: the model's code runs in a fresh subprocess under limits, and
+hostile code (fork bombs, memory hogs, endless loops, writes outside its directory,
+network attempts) stays inside them.
 
 Each ``Sandbox.run(code)`` writes ``code`` to ``main.py`` in a new temporary directory,
 starts ``sys.executable -I [-S] sandbox_child.py`` there in its own session (process
@@ -6,37 +8,56 @@ group), and returns a ``SandboxResult``; ``render`` turns it into the observatio
 A timeout, a memory blow-up or a crash is a result, never an exception to the caller; only
 a sandbox that cannot be set up as configured raises ``SandboxError``.
 
-What is enforced, and how (``docs/envs.md``, "The Python sandbox"):
+What is enforced, and how (``docs/envs.md``, "The Python sandbox", has the whole table):
 
-- wall clock: ``timeout_s``, then SIGKILL to the whole process group;
+- who: when pearl is root (as in clusters' containers), the code runs as a uid and gid of
+  its own, drawn for each run from ``uid_count`` uids at ``uid_min`` and reserved with an
+  abstract unix socket, so that ``RLIMIT_NPROC`` binds (it never binds root), file
+  permissions hold, and whatever is left of a run can be found and killed by its uid;
+- processes: ``RLIMIT_NPROC`` of ``max_processes`` (threads count) for that uid; a new PID
+  namespace whose init's end kills every descendant, also one that left the process group
+  with ``setsid``; after every run the parent kills what still runs as the uid;
+- files: a new mount namespace where all is read-only but fresh tmpfs of ``tmpfs_mb``
+  over the working directory, /tmp, /var/tmp and /dev/shm (gone with the namespace);
+  ``RLIMIT_FSIZE`` of ``max_file_mb`` per file; no core dumps;
+- wall clock: ``timeout_s``, then SIGKILL to the process group (and so to the namespace);
+  the call returns at most ``SWEEP_S + DRAIN_AFTER_KILL_S`` later, plus the time it takes
+  to remove the directory;
 - CPU time: ``RLIMIT_CPU`` (soft ``cpu_time_s``: SIGXCPU; hard one second later: SIGKILL);
-- memory: ``RLIMIT_AS`` of ``memory_mb`` (allocations fail with ``MemoryError``);
-- files: ``RLIMIT_FSIZE`` of ``max_file_mb`` per file (a write past it fails with
-  ``OSError: File too large``), no core dumps, in a temporary
-  working directory removed afterwards (``HOME`` and ``TMPDIR`` point there);
-- network: a new network namespace (``unshare(CLONE_NEWNET)``, needs root or
-  ``CAP_SYS_ADMIN``) with only a down loopback; where that is refused, PEP 578 audit hooks
-  refuse sockets, subprocesses, forks and ctypes (best effort: a determined C extension
-  gets past them). ``network: namespace`` makes the namespace mandatory;
+- memory: ``RLIMIT_AS`` of ``memory_mb`` per process (allocations fail with
+  ``MemoryError``);
+- network: a new network namespace with only a down loopback; where that is refused, PEP
+  578 audit hooks refuse sockets, subprocesses, forks and ctypes (best effort);
 - output: stdout and stderr each kept to ``max_output_chars`` (the rest is read and
   dropped), the observation cut to the same limit;
-- interpreter: ``-I`` (no ``PYTHON*`` variables, no user site, no script directory on the
-  path), ``-S`` (no site-packages) unless ``site_packages: true``; stdin is empty.
+- interpreter: ``-I``, ``-S`` unless ``site_packages: true``; stdin is empty.
 
-Not enforced: the filesystem outside the working directory is readable (and writable as
-far as the user's permissions go: no chroot, no mount namespace); the number of processes
-(``RLIMIT_NPROC`` does not bind root); a child that starts its own session escapes the
-group kill.
+The uid of its own, the namespaces and the network namespace each fall back where the host
+refuses them (pearl not root, no ``CAP_SYS_ADMIN``, a seccomp filter) unless made
+mandatory (``user: drop``, ``isolation: namespace``, ``network: namespace``);
+``SandboxResult`` says what a run had. Not enforced even with all of them: reading the
+host's files; the memory of all processes together (up to ``max_processes`` times
+``memory_mb``, plus the tmpfs). Without the mount namespace: writes to world-writable
+places other than /tmp, /var/tmp and /dev/shm (those are swept of the uid's files), and
+the number of files in the working directory. As root without a uid of its own: the
+number of processes; with neither that nor a PID namespace: a child that calls
+``setsid`` (its pipes are given up after ``DRAIN_AFTER_KILL_S``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import grp
 import json
+import logging
 import os
+import pwd
+import random
 import shutil
 import signal
+import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -49,25 +70,67 @@ from pydantic import Field
 from pearl.core.state import Frozen
 
 CHILD = Path(__file__).with_name("sandbox_child.py")
-SETUP_FAILED = 125  # sandbox_child's status when the network cannot be cut as asked
-DRAIN_AFTER_KILL_S = 1.0  # how long to wait for the pipes once the process group is dead
+SETUP_FAILED = 125  # sandbox_child's status when the sandbox cannot be set up as asked
+SWEEP_S = 1.0  # the longest the parent waits for, and kills, what is left of a run
+DRAIN_AFTER_KILL_S = 1.0  # how long to wait for the pipes once the processes are dead
+SHARED_TMP = ("/tmp", "/var/tmp", "/dev/shm")  # as in sandbox_child: world-writable places
+PROBE_TIMEOUT_S = 30.0  # for the one check whether a fresh uid can start the interpreter
 _CHUNK = 65536
+# What changing to the run's uid and cleaning up after it take (bits of CapEff).
+_NEEDED_CAPS = {0: "CAP_CHOWN", 5: "CAP_KILL", 6: "CAP_SETGID", 7: "CAP_SETUID"}
+CAP_DAC_READ_SEARCH = 2
+_PROBE = "import json, decimal, ctypes, multiprocessing"
+_PROBE_SITE = "; import os, site; [os.listdir(p) for p in site.getsitepackages()]"
+# Per interpreter and ``site_packages``: whether a uid without any rights can start it.
+_READABLE_BY_OTHERS: dict[tuple[str, bool], bool] = {}
+log = logging.getLogger(__name__)
 
 
 class SandboxConfig(Frozen):
     timeout_s: float = Field(5.0, gt=0, le=600, description="Wall-clock limit of one run.")
     cpu_time_s: int = Field(5, ge=1, le=600, description="CPU-time limit (RLIMIT_CPU).")
     memory_mb: int = Field(
-        512, ge=64, le=65536, description="Address-space limit (RLIMIT_AS), MiB."
+        512, ge=64, le=65536, description="Address-space limit (RLIMIT_AS) per process, MiB."
     )
     max_file_mb: int = Field(16, ge=1, le=4096, description="Largest file it may write, MiB.")
     max_output_chars: int = Field(
         2000, ge=100, le=1_000_000, description="Characters of output kept for the model."
     )
+    max_processes: int = Field(
+        16,
+        ge=1,
+        le=1024,
+        description="Processes and threads the code may have at once (RLIMIT_NPROC of its "
+        "uid; binds only under a uid of its own or a non-root user).",
+    )
     network: Literal["auto", "namespace", "audit_hook"] = Field(
         "auto",
         description="How the network is cut: a network namespace when permitted, else audit "
         "hooks (auto); the namespace or fail (namespace); audit hooks only (audit_hook).",
+    )
+    isolation: Literal["auto", "namespace", "off"] = Field(
+        "auto",
+        description="PID, mount and IPC namespaces (every process dies with the run, the "
+        "filesystem is read-only but fresh tmpfs): when permitted (auto); those or fail "
+        "(namespace); never (off).",
+    )
+    user: Literal["auto", "drop", "keep"] = Field(
+        "auto",
+        description="Who runs the code: a uid of its own when pearl is root and may change "
+        "uids (auto); a uid of its own or fail (drop); pearl's own user (keep).",
+    )
+    uid_min: int = Field(
+        60000, ge=1, le=2**31, description="First of the uids (and gids) runs are given."
+    )
+    uid_count: int = Field(
+        5000, ge=1, le=2**20, description="How many uids from uid_min on runs are given."
+    )
+    tmpfs_mb: int = Field(
+        64,
+        ge=1,
+        le=4096,
+        description="Size of each fresh tmpfs (working directory, /tmp, /var/tmp, /dev/shm) "
+        "under isolation, MiB; they are memory.",
     )
     site_packages: bool = Field(
         False, description="Let the code import installed packages (drops python -S)."
@@ -87,6 +150,9 @@ class SandboxResult:
     output_truncated: bool
     duration_s: float
     network: str  # how the network was cut: namespace | audit_hook
+    isolation: str = "none"  # namespace: PID, mount and IPC namespaces; none
+    uid: int | None = None  # the uid of its own it ran as; None: pearl's user
+    contained: bool = True  # nothing of the run was left running when it returned
 
     @property
     def signal_name(self) -> str | None:
@@ -95,31 +161,50 @@ class SandboxResult:
         return signal.Signals(-self.exit_code).name
 
 
+@dataclass
+class _OwnUid:
+    """A uid (and the gid of the same number) reserved for one run while ``lock`` is open."""
+
+    uid: int
+    read_all: bool  # the interpreter is unreadable to others: keep CAP_DAC_READ_SEARCH
+    lock: socket.socket
+
+
 class Sandbox:
     def __init__(self, config: SandboxConfig | None = None) -> None:
         self.config = config or SandboxConfig()
 
     async def run(self, code: str) -> SandboxResult:
+        own = await _own_uid(self.config)
         root = Path(tempfile.mkdtemp(prefix="pearl-sandbox-"))
         try:
             work = root / "work"
             work.mkdir()
             (work / "main.py").write_text(code, encoding="utf-8")
-            return await self._run_in(work, root / "status.json")
+            if own is not None:  # its own directory, reachable through the root one
+                root.chmod(0o711)
+                os.chown(work, own.uid, own.uid)
+                os.chown(work / "main.py", own.uid, own.uid)
+            return await self._run_in(work, root / "status.json", own)
         finally:
             shutil.rmtree(root, ignore_errors=True)
+            if own is not None:
+                own.lock.close()
 
-    async def _run_in(self, work: Path, status: Path) -> SandboxResult:
+    async def _run_in(self, work: Path, status: Path, own: _OwnUid | None) -> SandboxResult:
         c = self.config
         limits = {
             "network": c.network,
+            "isolation": c.isolation,
             "memory_bytes": c.memory_mb * 2**20,
             "cpu_time_s": c.cpu_time_s,
             "file_bytes": c.max_file_mb * 2**20,
+            "max_processes": c.max_processes,
+            "tmpfs_bytes": c.tmpfs_mb * 2**20,
+            "uid": None if own is None else own.uid,
+            "read_all": own is not None and own.read_all,
         }
         flags = ["-I"] if c.site_packages else ["-I", "-S"]
-        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8"}
-        env |= {"HOME": str(work), "TMPDIR": str(work)}
         start = time.monotonic()
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
@@ -128,7 +213,7 @@ class Sandbox:
             json.dumps(limits),
             str(status),
             cwd=work,
-            env=env,
+            env=_environment(work),
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
@@ -138,29 +223,37 @@ class Sandbox:
         assert proc.stdout is not None and proc.stderr is not None
         limit = c.max_output_chars * 4  # bytes: a character is at most 4 of them in UTF-8
         drains = asyncio.gather(_drain(proc.stdout, out, limit), _drain(proc.stderr, err, limit))
+        pidfd = _pidfd(proc.pid)
         timed_out = False
         try:
-            await asyncio.wait_for(proc.wait(), c.timeout_s)
+            await asyncio.wait_for(_exited(proc, pidfd), c.timeout_s)
         except TimeoutError:
             timed_out = True
         finally:  # also when the caller is cancelled: nothing of the run outlives it
             _kill_group(proc.pid)
-            if proc.returncode is None:
-                await proc.wait()
-        duration_s = time.monotonic() - start
+            await _exited(proc, pidfd)
+            if pidfd is not None:
+                os.close(pidfd)
+            ended = time.monotonic()
+            state = _read_state(status)
+            contained = await _contain(state, own)
         try:
             over = tuple(await asyncio.wait_for(drains, DRAIN_AFTER_KILL_S))
-        except TimeoutError:  # something escaped the group and holds the pipes
+        except TimeoutError:  # something escaped and holds the pipes
             over = (True, True)
-        network = _network(status, proc.returncode)
+        returncode = await _returncode(proc)
+        exit_code = _exit_code(state, returncode)
         return SandboxResult(
-            exit_code=None if timed_out else proc.returncode,
+            exit_code=None if timed_out else exit_code,
             stdout=_text(out, c.max_output_chars),
             stderr=_text(err, c.max_output_chars),
             timed_out=timed_out,
             output_truncated=any(over) or len(out) > limit or len(err) > limit,
-            duration_s=duration_s,
-            network=network,
+            duration_s=ended - start,
+            network=str(state.get("network", "unknown")),
+            isolation=str(state.get("isolation", "unknown")),
+            uid=None if own is None else own.uid,
+            contained=contained,
         )
 
 
@@ -211,14 +304,273 @@ def _kill_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
 
 
-def _network(status: Path, exit_code: int | None) -> str:
+def _pidfd(pid: int) -> int | None:
     try:
-        state: dict[str, Any] = json.loads(status.read_text())
+        return os.pidfd_open(pid)
+    except OSError:  # before Linux 5.3
+        return None
+
+
+async def _exited(proc: asyncio.subprocess.Process, pidfd: int | None) -> None:
+    """Return once the child has exited. Not ``proc.wait()``: that also waits for the
+    pipes to close, which a descendant that left the process group may hold open."""
+    if pidfd is None:
+        while proc.returncode is None:
+            await asyncio.sleep(0.01)
+        return
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+
+    def readable() -> None:
+        if not done.done():
+            done.set_result(None)
+
+    loop.add_reader(pidfd, readable)
+    try:
+        await done
+    finally:
+        loop.remove_reader(pidfd)
+
+
+async def _returncode(proc: asyncio.subprocess.Process) -> int | None:
+    """The exited child's status, once asyncio's child watcher has reaped it."""
+    end = time.monotonic() + DRAIN_AFTER_KILL_S
+    while proc.returncode is None and time.monotonic() < end:
+        await asyncio.sleep(0.005)
+    return proc.returncode
+
+
+def _environment(work: Path) -> dict[str, str]:
+    """The code's whole environment; numeric libraries get one thread each, as threads
+    count against ``max_processes``."""
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8"}
+    env |= {"HOME": str(work), "TMPDIR": str(work)}
+    return env | dict.fromkeys(("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"), "1")
+
+
+def _read_state(status: Path) -> dict[str, Any]:
+    try:
+        state = json.loads(status.read_text())
+    except (OSError, ValueError):  # killed before it wrote, or a torn write
+        return {}
+    return state if isinstance(state, dict) else {}
+
+
+def _exit_code(state: dict[str, Any], returncode: int | None) -> int | None:
+    """The code's exit status: the child's own, or the one it reported from a PID
+    namespace; raises ``SandboxError`` when the child could not set the sandbox up."""
+    if returncode == SETUP_FAILED and "error" in state:
+        raise SandboxError(str(state["error"]))
+    code = state.get("exit_code", returncode)
+    return code if isinstance(code, int) else returncode
+
+
+async def _contain(state: dict[str, Any], own: _OwnUid | None) -> bool:
+    """After the process group is dead: wait for the namespace to end and kill whatever
+    still runs as the run's uid (within ``SWEEP_S``); without a mount namespace, remove the
+    uid's files from the shared temporary directories. Whether nothing was left running."""
+    init = state.get("init_pid") if state.get("isolation") == "namespace" else None
+    uid = None if own is None else own.uid
+    if uid is None and not isinstance(init, int):
+        return True
+    contained = await asyncio.to_thread(
+        _sweep, uid, init if isinstance(init, int) else None, SWEEP_S
+    )
+    if uid is not None and state.get("isolation") != "namespace":
+        await asyncio.to_thread(_remove_files_of, uid)
+    if not contained:
+        log.warning("sandbox: processes of uid %s outlived the run", uid)
+    return contained
+
+
+def _proc_status(pid: str) -> dict[str, str]:
+    try:
+        with open(f"/proc/{pid}/status", encoding="utf-8") as f:
+            return dict(line.rstrip("\n").split(":\t", 1) for line in f if ":\t" in line)
     except (OSError, ValueError):
-        state = {}
-    if exit_code == SETUP_FAILED and "error" in state:
-        raise SandboxError(f"cannot cut the network: {state['error']}")
-    return str(state.get("network", "unknown"))
+        return {}
+
+
+def _runs_as(fields: dict[str, str], uid: int) -> bool:
+    ids = fields.get("Uid", "").split()
+    return len(ids) >= 2 and uid in (int(ids[0]), int(ids[1]))  # real or effective
+
+
+def _live(fields: dict[str, str]) -> bool:
+    return bool(fields) and not fields.get("State", "").startswith(("Z", "X"))
+
+
+def _pids_of(uid: int, live_only: bool) -> list[int]:
+    """The processes running as ``uid`` (really or effectively), from ``/proc``."""
+    pids = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            fields = _proc_status(name)
+            if _runs_as(fields, uid) and (_live(fields) or not live_only):
+                pids.append(int(name))
+    return pids
+
+
+def _kill_if_runs_as(pid: int, uid: int) -> None:
+    """SIGKILL ``pid`` if it still runs as ``uid``; through a pidfd where the kernel has
+    them, so that a pid reused by another process in the meantime is never hit."""
+    try:
+        handle: int | None = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    except OSError:  # before Linux 5.3
+        handle = None
+    try:
+        if not _runs_as(_proc_status(str(pid)), uid):
+            return
+        if handle is None:
+            os.kill(pid, signal.SIGKILL)
+        else:
+            signal.pidfd_send_signal(handle, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    finally:
+        if handle is not None:
+            os.close(handle)
+
+
+def _sweep(uid: int | None, init_pid: int | None, within_s: float) -> bool:
+    """Kill every live process of ``uid`` and wait for the namespace's init to be gone,
+    until none is left or ``within_s`` has passed; whether none is left."""
+    end = time.monotonic() + within_s
+    while True:
+        pids = [] if uid is None else _pids_of(uid, live_only=True)
+        waiting = init_pid is not None and _live(_proc_status(str(init_pid)))
+        if not pids and not waiting:
+            return True
+        if time.monotonic() >= end:
+            return False
+        for pid in pids:
+            _kill_if_runs_as(pid, uid)  # type: ignore[arg-type]  # pids is empty without uid
+        time.sleep(0.005)
+
+
+def _remove_files_of(uid: int) -> None:
+    """Remove what ``uid`` made at the top of the shared temporary directories (the only
+    places, with other world-writable ones, where a uid of its own can write)."""
+    for folder in dict.fromkeys([*SHARED_TMP, tempfile.gettempdir()]):
+        with contextlib.suppress(OSError):
+            for entry in os.scandir(folder):
+                with contextlib.suppress(OSError):
+                    if entry.stat(follow_symlinks=False).st_uid != uid:
+                        continue
+                    if entry.is_dir(follow_symlinks=False):
+                        shutil.rmtree(entry.path)
+                    else:
+                        os.unlink(entry.path)
+
+
+def _capabilities() -> int:
+    """This process's effective capabilities (a bit mask)."""
+    return int(_proc_status("self").get("CapEff", "0"), 16)
+
+
+def _why_not_own_uid() -> str | None:
+    if os.geteuid() != 0:
+        return "pearl does not run as root"
+    missing = [name for bit, name in _NEEDED_CAPS.items() if not _capabilities() >> bit & 1]
+    return f"pearl lacks {', '.join(missing)}" if missing else None
+
+
+def _mapped(number: int, kind: Literal["uid", "gid"]) -> bool:
+    """Whether ``number`` exists in this user namespace (a rootless container maps few)."""
+    try:
+        with open(f"/proc/self/{kind}_map", encoding="utf-8") as f:
+            ranges = [tuple(int(x) for x in line.split()) for line in f if line.strip()]
+    except OSError:
+        return True
+    return any(first <= number < first + count for first, _, count in ranges)
+
+
+def _has_account(number: int) -> bool:
+    try:
+        pwd.getpwuid(number)
+    except KeyError:
+        try:
+            grp.getgrgid(number)
+        except KeyError:
+            return False
+    return True
+
+
+def _reserve_uid(first: int, count: int) -> tuple[int, socket.socket] | None:
+    """A uid no account, no group and no process has, reserved against other sandboxes
+    (of this host's network namespace) by binding an abstract unix socket named after it."""
+    for _ in range(min(count, 32)):
+        uid = first + random.randrange(count)
+        if not (_mapped(uid, "uid") and _mapped(uid, "gid")):
+            continue
+        lock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        try:
+            lock.bind(f"\0pearl-sandbox-uid-{uid}")
+        except OSError:
+            lock.close()
+            continue
+        if _has_account(uid) or _pids_of(uid, live_only=False):
+            lock.close()
+            continue
+        return uid, lock
+    return None
+
+
+async def _readable_by(uid: int, site_packages: bool) -> bool:
+    """Whether ``uid``, without any capability, can start this interpreter and import
+    from it (checked once per process: an interpreter under ``/root`` cannot be)."""
+    key = (sys.executable, site_packages)
+    if key not in _READABLE_BY_OTHERS:
+        flags = ["-I"] if site_packages else ["-I", "-S"]
+        probe = _PROBE + (_PROBE_SITE if site_packages else "")
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *(sys.executable, *flags, "-c", probe),
+                user=uid,
+                group=uid,
+                extra_groups=[],
+                cwd="/",
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.DEVNULL,
+            )
+        except (OSError, subprocess.SubprocessError):
+            _READABLE_BY_OTHERS[key] = False
+        else:
+            try:
+                _READABLE_BY_OTHERS[key] = await asyncio.wait_for(proc.wait(), PROBE_TIMEOUT_S) == 0
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+                _READABLE_BY_OTHERS[key] = False
+    return _READABLE_BY_OTHERS[key]
+
+
+async def _own_uid(config: SandboxConfig) -> _OwnUid | None:
+    """The run's own uid, per ``config.user``; None to run as pearl's user. Raises
+    ``SandboxError`` when ``user: drop`` cannot be honoured."""
+    if config.user == "keep":
+        return None
+    why = _why_not_own_uid()
+    reserved = None if why else _reserve_uid(config.uid_min, config.uid_count)
+    if why is None and reserved is None:
+        why = f"no free uid among {config.uid_count} from {config.uid_min}"
+    if reserved is not None:
+        uid, lock = reserved
+        try:
+            readable = await _readable_by(uid, config.site_packages)
+        except BaseException:  # cancelled meanwhile
+            lock.close()
+            raise
+        if readable or _capabilities() >> CAP_DAC_READ_SEARCH & 1:
+            return _OwnUid(uid, read_all=not readable, lock=lock)
+        lock.close()
+        why = "other users cannot read the interpreter, and pearl lacks CAP_DAC_READ_SEARCH"
+    if config.user == "drop":
+        raise SandboxError(f"cannot run the code as a uid of its own: {why}")
+    return None
 
 
 def _text(data: bytearray, max_chars: int) -> str:
