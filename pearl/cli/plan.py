@@ -21,12 +21,12 @@ from pearl.core.profile import RuntimeProfile
 from pearl.core.state import ClusterState, Frozen
 from pearl.io.documents import (
     InputError,
-    check_policy_names,
     load_profile,
     parse,
     read_document,
 )
 from pearl.io.encode import dumps
+from pearl.io.policy_names import check_policy_names
 
 
 class PlanInput(Frozen):

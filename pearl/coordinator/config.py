@@ -23,7 +23,8 @@ from pearl.core.state import (
     Frozen,
 )
 from pearl.engines.backend import EngineSection, engine_commands
-from pearl.io.documents import InputError, check_policy_names, load_profile, parse, read_document
+from pearl.io.documents import InputError, load_profile, parse, read_document
+from pearl.io.policy_names import check_policy_names
 
 RunId = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", max_length=64)]
 PosInt = Annotated[int, Field(gt=0, le=MAX_GPUS_PER_NODE)]  # GPUs of a node

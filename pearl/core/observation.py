@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from pearl.core.limits import MAX_NODES, Id, PositiveGpuCount, Seconds
+from pearl.core.limits import MAX_GPUS, MAX_GPUS_PER_NODE, MAX_NODES, Id, PositiveGpuCount, Seconds
 from pearl.core.roles import GpuSource
 from pearl.core.state import (
     Allocation,
@@ -31,7 +31,7 @@ from pearl.core.workload import WorkloadSnapshot
 class GrantedNode(Frozen):
     node: Id
     gpu_type: Id
-    num_gpus: PositiveGpuCount
+    num_gpus: Annotated[int, Field(ge=1, le=MAX_GPUS_PER_NODE)]
 
 
 class AllocationGranted(Frozen):
@@ -111,9 +111,12 @@ def observe(state: ClusterState, obs: Observation, now_s: float) -> ClusterState
         elif isinstance(ev, AllocationGranted):
             if old is not None and old.status in (AllocationStatus.GRANTED, AllocationStatus.ENDED):
                 continue  # granted already, or ended: a late grant does not revive it
-            allocations[ev.allocation_id] = _granted(ev, old, now_s)
             known = {g.gpu_id for g in gpus}
-            gpus += [g for g in _gpus_of(ev) if g.gpu_id not in known]
+            new = [g for g in _gpus_of(ev) if g.gpu_id not in known]
+            if len(gpus) + len(new) > MAX_GPUS:
+                continue  # past the largest cluster pearl is built for (event_problems)
+            allocations[ev.allocation_id] = _granted(ev, old, now_s)
+            gpus += new
         elif isinstance(ev, AllocationPreempting):
             if old is not None and old.status is not AllocationStatus.ENDED:
                 allocations[ev.allocation_id] = old.model_copy(
@@ -160,7 +163,7 @@ def event_problems(state: ClusterState, obs: Observation) -> list[EventProblem]:
     """
     problems: list[EventProblem] = []
     allocations = {a.allocation_id: a for a in state.allocations}
-    gpu_owner = {g.gpu_id: g.allocation_id for g in state.gpus}
+    gpu_owner = {g.gpu_id: g.allocation_id for g in state.gpus}  # grows with the grants
     workers = {w.worker_id for w in state.workers}
     for i, ev in enumerate(obs.events):
         where = f"events[{i}]"
@@ -197,12 +200,16 @@ def _grant_problems(
     if old is not None and old.status is not AllocationStatus.PENDING:
         problem = f"{named} is {old.status.value} already: a late grant"
         return [EventProblem(f"{where}.allocation_id", problem, True)]
-    for gpu in _gpus_of(ev):
+    gpus = _gpus_of(ev)
+    for gpu in gpus:
         owner = gpu_owner.get(gpu.gpu_id)
         if owner is not None and owner != ev.allocation_id:
             problem = f"GPU {gpu.gpu_id!r} is held by allocation {owner!r}"
             return [EventProblem(f"{where}.nodes", problem, False)]
-        gpu_owner[gpu.gpu_id] = ev.allocation_id
+    if len(gpu_owner) + len(gpus) > MAX_GPUS:
+        problem = f"{len(gpus)} GPUs more: more than the {MAX_GPUS} pearl is built for"
+        return [EventProblem(f"{where}.nodes", problem, False)]
+    gpu_owner.update((gpu.gpu_id, ev.allocation_id) for gpu in gpus)
     return []
 
 

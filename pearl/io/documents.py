@@ -14,10 +14,7 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from pearl.core.config import PolicyConfig
-from pearl.core.decide import POLICIES
 from pearl.core.profile import RuntimeProfile
-from pearl.core.registry import UnknownName, check_names
 from pearl.io.untrusted import (
     MAX_DOCUMENT_BYTES,
     UntrustedInput,
@@ -39,6 +36,14 @@ class InputError(Exception):
         field, problem = one_line(field), one_line(problem)
         super().__init__(f"{one_line(str(path))}: {field or '(document)'}: {problem}")
         self.path, self.field, self.problem = str(path), field, problem
+
+    @classmethod
+    def relayed(cls, message: str, by: str) -> InputError:
+        """The ``InputError`` a peer answered with (a trainer's 400: its message already
+        reads ``FILE: FIELD: PROBLEM``), kept as it is."""
+        err = cls(by, "", message)
+        Exception.__init__(err, one_line(message))
+        return err
 
 
 def one_line(text: str) -> str:
@@ -94,16 +99,6 @@ def parse(model: type[M], data: Any, path: str | Path, field: str = "") -> M:
         raise InputError(path, join_field(field, loc), problem) from None
 
 
-def check_policy_names(cfg: PolicyConfig, path: str | Path, field: str = "") -> None:
-    """Every policy and rule ``cfg`` names is registered: checked as the document that
-    holds it is loaded, not minutes into a run (``field``: where ``cfg`` sits in it)."""
-    try:
-        check_names(cfg, POLICIES)
-    except UnknownName as err:
-        where, _, problem = str(err).partition(": ")
-        raise InputError(path, join_field(field, where), problem) from None
-
-
 def load_profile(
     name_or_path: str, relative_to: Path | None = None, named_in: Path | None = None
 ) -> RuntimeProfile:
@@ -111,14 +106,24 @@ def load_profile(
     ``relative_to``); an unknown one is reported against ``named_in``, the document that
     named it, when given."""
     shipped = resources.files("pearl") / "profiles" / f"{name_or_path}.yaml"
-    if shipped.is_file():
+    if not name_or_path.isprintable() or len(name_or_path) > 4096:
+        raise InputError(named_in or name_or_path, "profile", "not a profile name or a path")
+    try:
+        is_shipped = shipped.is_file()
+    except OSError:  # a name too long for a file: not shipped, and checked as a path below
+        is_shipped = False
+    if is_shipped:
         return parse(
             RuntimeProfile, yaml.safe_load(shipped.read_text()), f"<profile {name_or_path}>"
         )
     path = Path(name_or_path)
     if relative_to is not None and not path.is_absolute():
         path = relative_to / path
-    if not path.exists():
+    try:
+        exists = path.exists()
+    except OSError as err:  # a name too long for a path
+        raise InputError(named_in or path, "profile", f"cannot be a path: {err.strerror}") from None
+    if not exists:
         names = ", ".join(shipped_profiles())
         raise InputError(
             named_in or path,

@@ -16,11 +16,11 @@ from pathlib import Path
 from pearl.core.profile import RuntimeProfile
 from pearl.io.documents import (
     InputError,
-    check_policy_names,
     load_profile,
     parse,
     read_document,
 )
+from pearl.io.policy_names import check_policy_names
 from pearl.sim.scenario import Scenario
 
 

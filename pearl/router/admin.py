@@ -18,19 +18,19 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
-from pearl.engines.protocol import error_body
+from pearl.engines.protocol import UntrustedJSONRoute, error_response
 from pearl.router.plan_steps import LostWorkers, PlanSteps, StepUpdate
 
 
 def admin_routes(steps: PlanSteps) -> APIRouter:
-    api = APIRouter(prefix="/pearl")
+    api = APIRouter(prefix="/pearl", route_class=UntrustedJSONRoute)
 
     @api.post("/plan_steps")
     async def plan_step(body: StepUpdate) -> JSONResponse:
         problem = body.problem()
         if problem is not None:
             field, why = problem
-            return JSONResponse(error_body(f"{field}: {why}", param=field), 400)
+            return error_response(f"{field}: {why}", 400, field)
         applied = steps.apply(body)
         effect = None if applied.effect is None else applied.effect.value
         return JSONResponse({"applied": effect, "note": applied.note})

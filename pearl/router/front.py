@@ -19,25 +19,42 @@ the :class:`~pearl.router.plan_steps.PlanSteps` they apply).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 import uuid
+from collections.abc import Coroutine
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from pearl.engines.client import EngineError
-from pearl.engines.protocol import ChatCompletionRequest, CompletionRequest, error_body, usage
+from pearl.engines.protocol import (
+    MAX_BODY_BYTES,
+    ChatCompletionRequest,
+    CompletionRequest,
+    RequestRejected,
+    error_response,
+    install_guards,
+    usage,
+)
 from pearl.engines.reference.tokenizer import Tokenizer
 from pearl.engines.reference.tool_calls import parse_tool_calls
 from pearl.router.admin import admin_routes
 from pearl.router.plan_steps import PlanSteps
 from pearl.router.router import Router, Sampling, Turn, TurnFailed, TurnOutput
 
+T = TypeVar("T")
 SESSION_HEADER = "x-session-id"
 DEFAULT_MAX_TOKENS = 256
+MAX_SESSION_ID_CHARS = 256  # of X-Session-Id (the engines take request ids of 512)
+MAX_SESSIONS = 65_536  # recorded sessions at once; past it a new one is a 429
+OFFLOAD_CHARS = 16_384  # prompt text this long is tokenized off the event loop
+DISCONNECT_POLL_S = 0.5  # how often a turn in progress checks that its caller is still there
+# the longest prompt routed: its ids (up to 7 bytes each, as JSON) fit an engine's body limit
+MAX_PROMPT_TOKENS = MAX_BODY_BYTES // 8
 
 
 @dataclass
@@ -60,6 +77,7 @@ def build_front(
     router: Router, tokenizer: Tokenizer, model_name: str, steps: PlanSteps | None = None
 ) -> FastAPI:
     app = FastAPI(title="pearl router")
+    install_guards(app)
     sessions: dict[str, Session] = {}
     app.state.plan_steps = steps = steps or PlanSteps(router)
     app.include_router(admin_routes(steps))
@@ -67,18 +85,11 @@ def build_front(
     @app.exception_handler(EngineError)
     async def _engine_error(_: Request, err: EngineError) -> JSONResponse:
         status = err.status if 400 <= err.status < 500 else 502
-        return JSONResponse(error_body(err.message, status=status), status)
+        return error_response(err.message, status)
 
     @app.exception_handler(TurnFailed)
     async def _failed(_: Request, err: TurnFailed) -> JSONResponse:
-        return JSONResponse(error_body(str(err), status=503), 503)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, err: RequestValidationError) -> JSONResponse:
-        first = err.errors()[0] if err.errors() else {"msg": "invalid request", "loc": ()}
-        loc = () if first.get("type") == "json_invalid" else first.get("loc", ())
-        where = ".".join(str(x) for x in loc if x != "body") or "body"
-        return JSONResponse(error_body(f"{where}: {first.get('msg')}", param=where), 400)
+        return error_response(str(err), 503)
 
     def _session(request: Request) -> Session:
         """The call's session: the header's, or a new one that is not kept (no later call
@@ -86,20 +97,48 @@ def build_front(
         sid = request.headers.get(SESSION_HEADER)
         if sid is None:
             return Session(uuid.uuid4().hex)
+        if not 0 < len(sid) <= MAX_SESSION_ID_CHARS:
+            raise RequestRejected(
+                400, f"X-Session-Id: 1 to {MAX_SESSION_ID_CHARS} characters", "X-Session-Id"
+            )
+        if sid not in sessions and len(sessions) >= MAX_SESSIONS:
+            raise RequestRejected(
+                429,
+                f"X-Session-Id: {MAX_SESSIONS} sessions are open; end one "
+                "(DELETE /sessions/{id}) before starting another",
+                "X-Session-Id",
+            )
         return sessions.setdefault(sid, Session(sid))
 
     def _unsupported(body: CompletionRequest | ChatCompletionRequest) -> JSONResponse | None:
         if body.stream:
-            return JSONResponse(
-                error_body("stream: not supported by the router", param="stream"), 400
-            )
+            return error_response("stream: not supported by the router", 400, "stream")
         if body.stops():
-            return JSONResponse(error_body("stop: use stop_token_ids", param="stop"), 400)
+            return error_response("stop: use stop_token_ids", 400, "stop")
         return None
 
+    async def _encode(text: str) -> list[int]:
+        """``text``'s token ids; a long one on a worker thread (the tokenizers library's
+        batch call lets the GIL go), so the event loop goes on routing."""
+        if len(text) <= OFFLOAD_CHARS:
+            return tokenizer.encode(text)
+        (one,) = await asyncio.to_thread(
+            tokenizer.backend.encode_batch, [text], add_special_tokens=False
+        )
+        return list(one.ids)
+
     async def _run(
-        session: Session, prompt: list[int], body: CompletionRequest | ChatCompletionRequest
+        request: Request,
+        session: Session,
+        prompt: list[int],
+        body: CompletionRequest | ChatCompletionRequest,
     ) -> TurnOutput:
+        if len(prompt) > MAX_PROMPT_TOKENS:
+            raise RequestRejected(
+                400,
+                f"prompt: {len(prompt)} tokens, more than the {MAX_PROMPT_TOKENS} routed",
+                "prompt",
+            )
         max_tokens = body.max_tokens
         if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
             max_tokens = body.max_completion_tokens
@@ -112,7 +151,8 @@ def build_front(
             ignore_eos=body.ignore_eos,
         )
         turn_id = f"{session.session_id}-t{len(session.turns)}"
-        out = await router.generate(Turn(session.session_id, tuple(prompt), sampling, turn_id))
+        turn = Turn(session.session_id, tuple(prompt), sampling, turn_id)
+        out = await _while_connected(request, router.generate(turn))
         session.turns.append(
             RecordedTurn(
                 prompt, out.token_ids, out.logprobs, out.versions, out.finish_reason, out.served_by
@@ -140,12 +180,12 @@ def build_front(
             return refused
         p = body.prompt
         if isinstance(p, str):
-            prompt = tokenizer.encode(p)
+            prompt = await _encode(p)
         elif p and all(isinstance(x, int) for x in p):
             prompt = [int(x) for x in p]  # type: ignore[arg-type]
         else:
-            return JSONResponse(error_body("prompt: one prompt per request", param="prompt"), 400)
-        out = await _run(_session(request), prompt, body)
+            return error_response("prompt: one prompt per request", 400, "prompt")
+        out = await _run(request, _session(request), prompt, body)
         choice = {
             "index": 0,
             "text": tokenizer.decode(out.token_ids),
@@ -160,12 +200,14 @@ def build_front(
     async def chat(body: ChatCompletionRequest, request: Request) -> JSONResponse:
         if (refused := _unsupported(body)) is not None:
             return refused
-        try:
-            text = tokenizer.apply_chat_template(body.messages, tools=body.tools)
+        try:  # on a worker thread: a long conversation takes a while to render
+            text = await asyncio.to_thread(
+                tokenizer.apply_chat_template, body.messages, tools=body.tools
+            )
         except Exception as err:  # the template refused the conversation
-            return JSONResponse(error_body(f"messages: {err}", param="messages"), 400)
-        prompt = tokenizer.encode(text)
-        out = await _run(_session(request), prompt, body)
+            return error_response(f"messages: {str(err)[:200]}", 400, "messages")
+        prompt = await _encode(text)
+        out = await _run(request, _session(request), prompt, body)
         content: str | None = tokenizer.decode(out.token_ids)
         calls: list[dict[str, Any]] = []
         if body.tools and body.tool_choice != "none" and content is not None:
@@ -184,7 +226,7 @@ def build_front(
 
     def _record(session_id: str, s: Session | None) -> JSONResponse:
         if s is None:
-            return JSONResponse(error_body(f"no session {session_id!r}", status=404), 404)
+            return error_response(f"session_id: no session {session_id[:80]!r}", 404, "session_id")
         return JSONResponse({"session_id": s.session_id, "turns": [asdict(t) for t in s.turns]})
 
     @app.get("/sessions/{session_id}")
@@ -201,3 +243,21 @@ def build_front(
         return JSONResponse({"instances": sum(1 for i in router.table if i.accepting)})
 
     return app
+
+
+async def _while_connected(request: Request, work: Coroutine[Any, Any, T]) -> T:
+    """``work``'s result; cancelled if the caller goes away first (its turn's request to
+    the engine is dropped, and the engine aborts it), answered 499 to nobody."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait([task], timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise RequestRejected(499, "the client went away", None)
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task

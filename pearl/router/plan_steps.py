@@ -81,6 +81,8 @@ class Applied:
 
 
 _ACTIONS: dict[str, Action | ControlAction] = {a.value: a for a in (*Action, *ControlAction)}
+MAX_WORKER_ID_CHARS = 256
+MAX_URL_CHARS = 2048
 
 
 class StepUpdate(BaseModel):
@@ -89,9 +91,9 @@ class StepUpdate(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     phase: StepPhase
     action: Action | ControlAction
-    worker_id: StrictStr = Field(min_length=1)
+    worker_id: StrictStr = Field(min_length=1, max_length=MAX_WORKER_ID_CHARS)
     role: Role | None = None  # the role after the step (start, wake, switch)
-    url: StrictStr | None = None  # a start's or wake's engine, from its agent's ack
+    url: StrictStr | None = Field(None, max_length=MAX_URL_CHARS)  # from its agent's ack
     ok: StrictBool = True  # at the end: whether the step succeeded
 
     @field_validator("action", mode="before")
@@ -99,13 +101,14 @@ class StepUpdate(BaseModel):
     def _action(cls, value: Any) -> Action | ControlAction:
         if isinstance(value, str) and value in _ACTIONS:
             return _ACTIONS[value]
-        raise ValueError(f"unknown action {value!r} (one of {', '.join(_ACTIONS)})")
+        shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+        raise ValueError(f"unknown action {shown} (one of {', '.join(_ACTIONS)})")
 
     @field_validator("url")
     @classmethod
     def _url(cls, value: str | None) -> str | None:
         if value is not None and not value.startswith(("http://", "https://")):
-            raise ValueError(f"not an http(s) base URL: {value!r}")
+            raise ValueError(f"not an http(s) base URL: {value[:80]!r}")
         return value
 
     def problem(self) -> tuple[str, str] | None:
@@ -128,7 +131,9 @@ class LostWorkers(BaseModel):
     """Workers the coordinator's state dropped (``POST /pearl/workers_lost``)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    worker_ids: tuple[Annotated[StrictStr, Field(min_length=1)], ...] = Field(max_length=4096)
+    worker_ids: tuple[
+        Annotated[StrictStr, Field(min_length=1, max_length=MAX_WORKER_ID_CHARS)], ...
+    ] = Field(max_length=4096)
     reason: StrictStr = Field(default="", max_length=MAX_REASON_CHARS)
 
 

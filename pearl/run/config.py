@@ -27,11 +27,11 @@ from pearl.core.state import Frozen
 from pearl.envs import registry
 from pearl.io.documents import (
     InputError,
-    check_policy_names,
     load_profile,
     parse,
     read_document,
 )
+from pearl.io.policy_names import check_policy_names
 from pearl.rollout.rules import Batching, PastBound, RolloutRules
 from pearl.router.router import Sampling
 from pearl.trainer.config import TrainerConfig

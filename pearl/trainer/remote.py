@@ -32,6 +32,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 from pearl.agents.batches import RolloutBatch, batch_text, first_error
 from pearl.control import pdeath
 from pearl.control.workers import free_port
+from pearl.io.documents import InputError
 from pearl.io.untrusted import MAX_DOCUMENT_BYTES, loads_json
 from pearl.trainer.config import TrainerConfig
 from pearl.trainer.protocol import TrainMetrics
@@ -87,6 +88,8 @@ class RemoteTrainer:
         if r.status_code != 200:
             error = doc.get("error") if isinstance(doc, dict) else None
             message = error.get("message") if isinstance(error, dict) else r.text[:300]
+            if r.status_code == 400:  # what it was given (a corrupt checkpoint, a batch)
+                raise InputError.relayed(str(message), by=f"trainer {self.url}{route}")
             raise TrainerError(f"trainer {self.url}{route}: {r.status_code}: {message}")
         if not isinstance(doc, dict):
             raise TrainerError(f"trainer {self.url}{route}: the answer is not a JSON object")

@@ -16,7 +16,10 @@ the optimizer and the memory an offload frees are this process's.
 One call at a time (a lock): an offload asked during an update waits for its end. A bad
 request (a batch that does not parse, a checkpoint that is not there or not this model's,
 a missing field) is 400 with vLLM's JSON error body; any other failure is 500 with the
-same body. FastAPI + uvicorn, as the engines.
+same body. The guards are the engines' (``pearl.engines.protocol.install_guards``): a
+body at most ``protocol.MAX_BODY_BYTES`` (a batch ``MAX_BATCH_BYTES``), else 413; an
+unknown route 404, a wrong method 405, in the same body. FastAPI + uvicorn, as the
+engines.
 """
 
 from __future__ import annotations
@@ -30,12 +33,11 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
-from pearl.agents.batches import batch_of
-from pearl.engines.protocol import error_body
+from pearl.agents.batches import RolloutBatch, batch_of
+from pearl.engines.protocol import INT64_MAX, error_response, install_guards
 from pearl.io.documents import InputError
 from pearl.trainer.config import TrainerConfig
 from pearl.trainer.protocol import Trainer
@@ -46,18 +48,28 @@ class _Failed(Exception):
     connection stays up: Starlette re-raises what only its catch-all handles)."""
 
 
+MAX_BATCH_BYTES = 2**30  # the body of POST /train_step (any other: protocol.MAX_BODY_BYTES)
+MAX_PATH_CHARS = 4096  # Linux's PATH_MAX
+
+
 class _Path(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    path: str
+    path: str = Field(min_length=1, max_length=MAX_PATH_CHARS)
 
 
 class _OutDir(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    out_dir: str
+    out_dir: str = Field(min_length=1, max_length=MAX_PATH_CHARS)
 
 
-def build_app(trainer: Trainer, backend: str = "reference") -> FastAPI:
+def build_app(
+    trainer: Trainer, backend: str = "reference", vocab_size: int | None = None
+) -> FastAPI:
+    """The routes over ``trainer``; a batch with an integer past int64 or (with
+    ``vocab_size``) a token id outside the vocabulary is a 400 (not torch's
+    OverflowError or IndexError, a 500)."""
     app = FastAPI(title="pearl trainer")
+    install_guards(app, route_limits={"/train_step": MAX_BATCH_BYTES})
     lock = threading.Lock()
 
     def state() -> dict[str, Any]:
@@ -73,28 +85,28 @@ def build_app(trainer: Trainer, backend: str = "reference") -> FastAPI:
                 out = fn()
             except (InputError, ValueError):
                 raise
+            except (
+                FileNotFoundError,
+                NotADirectoryError,
+                IsADirectoryError,
+                PermissionError,
+            ) as err:
+                raise ValueError(f"{type(err).__name__}: {err}") from None  # the path asked: 400
             except Exception as err:  # answered 500, and the server goes on serving
                 raise _Failed(f"{type(err).__name__}: {err}") from err
             return out | {"state": state()}
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, err: RequestValidationError) -> JSONResponse:
-        first = err.errors()[0] if err.errors() else {"msg": "invalid request", "loc": ()}
-        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
-        msg = f"{where}: {first.get('msg')}" if where else str(first.get("msg"))
-        return JSONResponse(error_body(msg, param=where or None), status_code=400)
-
     @app.exception_handler(InputError)
     async def _input(_: Request, err: InputError) -> JSONResponse:
-        return JSONResponse(error_body(str(err)), status_code=400)
+        return error_response(str(err), 400, err.field or None)
 
     @app.exception_handler(ValueError)
     async def _value(_: Request, err: ValueError) -> JSONResponse:
-        return JSONResponse(error_body(str(err)), status_code=400)
+        return error_response(str(err), 400)
 
     @app.exception_handler(_Failed)
     async def _failed(_: Request, err: _Failed) -> JSONResponse:
-        return JSONResponse(error_body(str(err), status=500), status_code=500)
+        return error_response(str(err), 500)
 
     @app.get("/health")
     def health() -> dict[str, str]:
@@ -111,6 +123,7 @@ def build_app(trainer: Trainer, backend: str = "reference") -> FastAPI:
         batch = batch_of(text, "request body")  # a ValueError naming the field: 400
 
         def step() -> dict[str, Any]:
+            check_batch(batch, vocab_size)
             return {"metrics": dataclasses.asdict(trainer.train_step(batch))}
 
         out = await asyncio.to_thread(locked, step)  # a NaN loss stays NaN (not null)
@@ -142,6 +155,34 @@ def build_app(trainer: Trainer, backend: str = "reference") -> FastAPI:
     return app
 
 
+def check_batch(batch: RolloutBatch, vocab_size: int | None) -> None:
+    """ValueError (a 400) naming the first integer of ``batch`` that is not an int64 (torch
+    overflows on it) or, with ``vocab_size``, the first token id outside the vocabulary
+    (the model's embedding raises IndexError on it)."""
+    counts = {
+        "batch_id": [batch.batch_id],
+        "policy_version": [batch.policy_version],
+        "group_ids": batch.group_ids,
+        "off_policy_tokens": [batch.off_policy_tokens],
+        "max_staleness_versions": [batch.max_staleness_versions],
+    }
+    for i, t in enumerate(batch.trajectories):
+        counts |= {f"trajectories[{i}].versions": t.versions}
+        counts |= {f"trajectories[{i}].loss_mask": t.loss_mask}
+    for field, values in counts.items():
+        bad = next((x for x in values if not -INT64_MAX - 1 <= x <= INT64_MAX), None)
+        if bad is not None:
+            raise ValueError(f"{field}: {bad} is not a 64-bit integer")
+    if vocab_size is None:
+        return
+    for i, t in enumerate(batch.trajectories):
+        bad = next((x for x in t.token_ids if not 0 <= x < vocab_size), None)
+        if bad is not None:
+            raise ValueError(
+                f"trajectories[{i}].token_ids: {bad} is out of the vocabulary (size {vocab_size})"
+            )
+
+
 def _done(fn: Callable[[], None]) -> dict[str, Any]:
     fn()
     return {}
@@ -168,7 +209,9 @@ def serve(
         from pearl.trainer.reference import ReferenceTrainer
 
         trainer = ReferenceTrainer(model_dir, config)
-    app = build_app(trainer, backend)
+    from pearl.engines.reference.config import load_config
+
+    app = build_app(trainer, backend, vocab_size=load_config(model_dir).vocab_size)
     uvicorn.run(  # idle connections outlive the client's (httpx drops its own after 5 s)
         app,
         host=host,

@@ -275,7 +275,7 @@ def test_cli_init_prints_one_json_line(tmp_path: Path) -> None:
     assert report["path"] == str(out.resolve()) and "model.safetensors" in report["files"]
     assert report["parameters"] == sum(t.numel() for t in read_weights(out).values())
     bad = _pearl("model", "init", "--out", str(tmp_path / "x"), "--layers", "two")
-    assert bad.returncode == 2 and "invalid int value" in bad.stderr
+    assert bad.returncode == 2 and "--layers: 'two' is not a whole number" in bad.stderr
     small = _pearl("model", "init", "--out", str(tmp_path / "y"), "--vocab", "10")
     assert (small.returncode, small.stdout) == (2, "")
     assert small.stderr.splitlines() == [

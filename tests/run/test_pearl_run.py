@@ -63,6 +63,16 @@ def test_pearl_run_trains_logs_and_resumes(tmp_path: Path) -> None:
     (run,) = json.loads(analyzed.stdout)["runs"]
     assert run["rollout_turns"]["turns"] > 0
 
+    # a corrupt latest checkpoint: named in one line, exit 2, and nothing is removed
+    weights = out / "checkpoints" / "step-000005" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    corrupt = _pearl("run", "run.yaml", "--steps", "6", "--json", cwd=tmp_path)
+    assert corrupt.returncode == 2, corrupt.stderr[-3000:]
+    assert corrupt.stderr.strip().count("\n") == 0, corrupt.stderr
+    assert f"{weights}: (document): not a safetensors file" in corrupt.stderr
+    kept = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert kept == ["step-000004", "step-000005"]
+
 
 def _trainer_pid(config_file: Path) -> int | None:
     """The pid of the ``pearl trainer serve`` process started with ``config_file``."""

@@ -4,7 +4,6 @@ request rules the routes share (prompt checks, sampling, pause, weight loads).""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -14,7 +13,13 @@ from typing import Any, TypeVar
 import torch
 from fastapi import Request
 
-from pearl.engines.protocol import ChatCompletionRequest, CompletionRequest
+from pearl.engines.protocol import (
+    MAX_BODY_BYTES,
+    MIN_TEMPERATURE,
+    ChatCompletionRequest,
+    CompletionRequest,
+    parse_json_body,
+)
 from pearl.engines.reference.config import load_config
 from pearl.engines.reference.engine import EngineConfig, EngineCore
 from pearl.engines.reference.errors import BadRequestError
@@ -30,6 +35,21 @@ from pearl.io.documents import InputError
 T = TypeVar("T")
 VERSION = "pearl-reference-0.1.0"
 MAX_LOGPROBS = 20
+OFFLOAD_CHARS = 16_384  # prompt text this long is tokenized off the event loop
+# a prompt text longer than max_model_len times this cannot fit the model (no tokenizer
+# packs 64 characters a token on average): refused before it is tokenized, which for a few
+# MiB of text takes seconds (a long run of one character: minutes)
+MAX_CHARS_PER_TOKEN = 64
+
+
+async def encode_texts(tokenizer: Tokenizer, texts: list[str]) -> list[list[int]]:
+    """The token ids of each text (``Tokenizer.encode``'s); long texts on a worker thread
+    by the tokenizers library's batch call, which releases the GIL, so that the event loop
+    goes on serving while a few MiB of text are tokenized."""
+    if sum(len(t) for t in texts) <= OFFLOAD_CHARS:
+        return [tokenizer.encode(t) for t in texts]
+    batch = await asyncio.to_thread(tokenizer.backend.encode_batch, texts, add_special_tokens=False)
+    return [list(e.ids) for e in batch]
 
 
 @dataclass(frozen=True)
@@ -108,13 +128,12 @@ class Instance:
         return await asyncio.wrap_future(self.core.call(fn))
 
     async def json_body(self, request: Request) -> dict[str, Any]:
+        """The body of a route that reads it by hand, parsed as untrusted JSON (an empty
+        body is ``{}``); a 400 naming the field if it is not a JSON object."""
         raw = await request.body()
-        try:
-            body = json.loads(raw or b"{}")
-        except json.JSONDecodeError as err:
-            raise BadRequestError(f"the body is not JSON: {err}") from None
+        body = await parse_json_body(raw or b"{}", MAX_BODY_BYTES)
         if not isinstance(body, dict):
-            raise BadRequestError("the body must be a JSON object")
+            raise BadRequestError("body: a JSON object is required", "body")
         return body
 
     # -- requests ------------------------------------------------------------------------
@@ -123,14 +142,17 @@ class Instance:
         c = self.cfg
         return (c.num_hidden_layers, num_tokens, c.num_key_value_heads, c.head_dim)
 
-    def completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
+    async def completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
         p = body.prompt
         if isinstance(p, str):
-            prompts = [self.tokenizer.encode(p)]
+            self._check_text(p, "prompt")
+            prompts = await encode_texts(self.tokenizer, [p])
         elif p and all(isinstance(x, int) for x in p):
             prompts = [list(p)]  # type: ignore[arg-type]
         elif p and all(isinstance(x, str) for x in p):
-            prompts = [self.tokenizer.encode(x) for x in p]  # type: ignore[arg-type]
+            for text in p:
+                self._check_text(text, "prompt")  # type: ignore[arg-type]
+            prompts = await encode_texts(self.tokenizer, list(p))  # type: ignore[arg-type]
         elif p and all(isinstance(x, list) for x in p):
             prompts = [list(x) for x in p]  # type: ignore[arg-type]
         else:
@@ -143,16 +165,31 @@ class Instance:
             self._check_prompt(ids)
         return prompts
 
-    def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+    async def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        """The conversation's prompt, its template rendered on a worker thread (a long
+        conversation takes a while; the GIL is let go every few ms)."""
         try:
-            text = self.tokenizer.apply_chat_template(
-                body.messages, tools=body.tools, add_generation_prompt=body.add_generation_prompt
+            text = await asyncio.to_thread(
+                self.tokenizer.apply_chat_template,
+                body.messages,
+                tools=body.tools,
+                add_generation_prompt=body.add_generation_prompt,
             )
         except Exception as err:  # the template rejected the conversation
-            raise BadRequestError(f"messages: {err}", "messages") from None
-        ids = self.tokenizer.encode(text)
+            raise BadRequestError(f"messages: {_shown(err)}", "messages") from None
+        self._check_text(text, "messages")
+        (ids,) = await encode_texts(self.tokenizer, [text])
         self._check_prompt(ids)
         return ids
+
+    def _check_text(self, text: str, param: str) -> None:
+        most = self.max_model_len * MAX_CHARS_PER_TOKEN
+        if len(text) > most:
+            raise BadRequestError(
+                f"{param}: {len(text)} characters cannot fit this model's maximum context "
+                f"length of {self.max_model_len} tokens (at most {most} characters are taken)",
+                param,
+            )
 
     def _check_prompt(self, ids: list[int]) -> None:
         if not ids:
@@ -197,6 +234,11 @@ class Instance:
             )
         if max_tokens < 1:
             raise BadRequestError("max_tokens: must be at least 1", "max_tokens")
+        if body.min_tokens > max_tokens:
+            raise BadRequestError(
+                f"min_tokens: must be at most max_tokens ({max_tokens}), got {body.min_tokens}",
+                "min_tokens",
+            )
         bad = [t for t in body.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise BadRequestError(f"stop_token_ids: {bad[0]} is out of vocabulary", "stop")
@@ -213,9 +255,12 @@ class Instance:
             raise BadRequestError(
                 f"logprobs: at most {MAX_LOGPROBS} (vLLM's default max_logprobs)", "logprobs"
             )
+        temperature = body.temperature
+        if 0.0 < temperature < MIN_TEMPERATURE:
+            temperature = MIN_TEMPERATURE  # as vLLM: logits / 1e-300 are inf, and sampling fails
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=body.temperature,
+            temperature=temperature,
             top_p=body.top_p,
             seed=body.seed,
             stop_token_ids=tuple(body.stop_token_ids),
@@ -273,3 +318,9 @@ class Instance:
         if where == self.model_dir:
             self.dir_version = loaded
         return loaded
+
+
+def _shown(err: Exception, limit_chars: int = 200) -> str:
+    """An error's message, cut to ``limit_chars`` (a template may quote its input)."""
+    text = str(err)
+    return text if len(text) <= limit_chars else text[: limit_chars - 3] + "..."

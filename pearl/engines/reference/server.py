@@ -16,29 +16,39 @@ lists them with their fields):
   (``/init_weight_transfer_engine``, ``/start_weight_update``, ``/update_weights``,
   ``/finish_weight_update``; see :mod:`.weights_push`).
 
-A bad request gets 400 with vLLM's JSON error body, and the server goes on serving.
+A bad request gets 400 with vLLM's JSON error body, and the server goes on serving; the
+guards in front of the routes (a body limit, JSON parsed as untrusted, 404 and 405 in the
+same body) are ``pearl.engines.protocol.install_guards``'s, every bound of a request field
+the request models'. A prompt's tokenization and a chat template's rendering run off the
+event loop, so one large request does not hold the others.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
 from functools import partial
 from typing import Any
 
+import torch
 from fastapi import FastAPI, Query, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from safetensors import SafetensorError
 
 from pearl.engines.protocol import (
+    INT64_MAX,
+    MAX_ABORT_IDS,
+    MAX_ID_CHARS,
     ChatCompletionRequest,
     CompletionRequest,
     KVTransferParams,
-    error_body,
+    error_response,
+    install_guards,
     usage,
 )
 from pearl.engines.reference.errors import BadRequestError
@@ -57,6 +67,20 @@ from pearl.engines.vllm_weights import METHOD as PUBLISHED_WEIGHTS_METHOD
 from pearl.io.documents import InputError
 
 RPC_METHODS = ("reload_weights", PUBLISHED_WEIGHTS_METHOD)  # of POST /collective_rpc
+PUSH_HEADER_BYTES = 64 * 2**20  # a weight push's safetensors header, over its tensors' bytes
+SHOWN_CHARS = 80  # of a rejected value in an error message
+
+
+def push_limit_bytes(inst: Instance) -> int:
+    """The body limit of ``POST /update_weights``: every weight of the model in float32,
+    and room for the safetensors header."""
+    params = sum(math.prod(shape) for shape in inst.model.shapes.values())
+    return 4 * params + PUSH_HEADER_BYTES
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= SHOWN_CHARS else text[: SHOWN_CHARS - 3] + "..."
 
 
 def _sse(obj: Any) -> bytes:
@@ -67,25 +91,15 @@ def _sse(obj: Any) -> bytes:
 
 def build_app(inst: Instance) -> FastAPI:
     app = FastAPI(title="pearl reference engine")
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, err: RequestValidationError) -> JSONResponse:
-        first = err.errors()[0] if err.errors() else {"msg": "invalid request", "loc": ()}
-        if first.get("type") == "json_invalid":
-            ctx = first.get("ctx")
-            problem = ctx.get("error", "invalid JSON") if isinstance(ctx, dict) else "invalid"
-            return JSONResponse(error_body(f"the body is not valid JSON: {problem}"), 400)
-        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
-        msg = f"{where}: {first.get('msg')}" if where else str(first.get("msg"))
-        return JSONResponse(error_body(msg, param=where or None), status_code=400)
+    install_guards(app, route_limits={"/update_weights": push_limit_bytes(inst)})
 
     @app.exception_handler(BadRequestError)
     async def _bad(_: Request, err: BadRequestError) -> JSONResponse:
-        return JSONResponse(error_body(str(err), param=err.param), status_code=400)
+        return error_response(str(err), 400, err.param)
 
     @app.exception_handler(InputError)
     async def _bad_file(_: Request, err: InputError) -> JSONResponse:
-        return JSONResponse(error_body(str(err)), status_code=400)
+        return error_response(str(err), 400, err.field or None)
 
     # -- generation --------------------------------------------------------------------
 
@@ -106,6 +120,9 @@ def build_app(inst: Instance) -> FastAPI:
             )
         except TransferError as err:
             raise BadRequestError(f"kv_transfer_params: {err}", "kv_transfer_params") from None
+        except (KeyError, TypeError, ValueError, OverflowError, SafetensorError) as err:
+            problem = f"the peer's answer is not a held prefill: {type(err).__name__}: {err}"
+            raise BadRequestError(f"kv_transfer_params: {problem}", "kv_transfer_params") from None
         inst.metrics.kv_transfer_time.observe(time.monotonic() - t0)
         inst.metrics.kv_transfer_bytes.inc(size)
         expected = inst.kv_shape(len(prompt))
@@ -113,6 +130,12 @@ def build_app(inst: Instance) -> FastAPI:
             raise BadRequestError(
                 f"kv_transfer_params: the remote KV has shape {tuple(keys.shape)}, this "
                 f"instance needs {expected} for a prompt of {len(prompt)} tokens",
+                "kv_transfer_params",
+            )
+        floats = all(t.is_floating_point() for t in (keys, values, logits))
+        if not floats or not bool(torch.isfinite(logits).all()):
+            raise BadRequestError(
+                "kv_transfer_params: the remote KV is not finite floating-point numbers",
                 "kv_transfer_params",
             )
         return RemoteKV(keys, values, logits)
@@ -170,12 +193,18 @@ def build_app(inst: Instance) -> FastAPI:
         }
 
     def _rid(request: Request) -> str:
-        return request.headers.get("x-request-id") or uuid.uuid4().hex
+        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+        if len(rid) > MAX_ID_CHARS:
+            raise BadRequestError(
+                f"X-Request-Id: at most {MAX_ID_CHARS} characters ({len(rid)} given)",
+                "X-Request-Id",
+            )
+        return rid
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         rid = _rid(request)
-        prompts = inst.completion_prompts(body)
+        prompts = await inst.completion_prompts(body)
         params = inst.sampling(body, max(len(p) for p in prompts), default_max_tokens=16)
         if body.stream and len(prompts) > 1:
             raise BadRequestError("stream with several prompts is not supported", "prompt")
@@ -266,7 +295,7 @@ def build_app(inst: Instance) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         rid = _rid(request)
-        prompt = inst.chat_prompt(body)
+        prompt = await inst.chat_prompt(body)
         params = inst.sampling(body, len(prompt), default_max_tokens=None)
         gens, seqs = await _start(rid, [prompt], params, body.kv_transfer_params)
         g, seq = gens[0], seqs[0]
@@ -403,6 +432,11 @@ def build_app(inst: Instance) -> FastAPI:
         ids = body.get("request_ids")
         if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
             raise BadRequestError("request_ids: a list of request ids is required", "request_ids")
+        if len(ids) > MAX_ABORT_IDS:
+            raise BadRequestError(
+                f"request_ids: at most {MAX_ABORT_IDS} in one call ({len(ids)} given)",
+                "request_ids",
+            )
         n = await inst.run(lambda: inst.core.abort(ids))
         return {"aborted": n}
 
@@ -417,13 +451,21 @@ def build_app(inst: Instance) -> FastAPI:
         method = body.get("method")
         if method not in RPC_METHODS:
             known = " and ".join(RPC_METHODS)
-            raise BadRequestError(f"method: {method!r} is not supported ({known} are)", "method")
+            raise BadRequestError(
+                f"method: {_shown(method)} is not supported ({known} are)", "method"
+            )
         kwargs = body.get("kwargs") or {}
         if not isinstance(kwargs, dict):
             raise BadRequestError("kwargs: an object is required", "kwargs")
         path, ver = kwargs.get("weights_path"), kwargs.get("weight_version")
-        if ver is not None and not isinstance(ver, int):
+        if path is not None and not isinstance(path, str):
+            raise BadRequestError("kwargs.weights_path: a directory's path is required", "kwargs")
+        if ver is not None and (isinstance(ver, bool) or not isinstance(ver, int)):
             raise BadRequestError("kwargs.weight_version: an integer is required", "kwargs")
+        if ver is not None and not 0 <= ver <= INT64_MAX:
+            raise BadRequestError(
+                f"kwargs.weight_version: from 0 to {INT64_MAX} ({_shown(ver)} given)", "kwargs"
+            )
         version = await inst.reload(path, ver)
         return {"results": [{"weight_version": version}]}
 
