@@ -20,6 +20,7 @@ from fuzzing import FUZZ
 from hypothesis import given
 from hypothesis import strategies as st
 from mutation import mangled, mutated
+from sim.sim_fixtures import scenario_dict
 from surfaces import assert_one_line_error, load_or_input_error, run_pearl
 
 from pearl.bench.synth import Layout, build_state
@@ -45,32 +46,7 @@ COORDINATOR: dict[str, Any] = {
     },
     "policy": {"elastic": {"rule": "greedy", "gpu_type": "h800", "max_allocations": 1}},
 }
-SCENARIO: dict[str, Any] = {
-    "schema_version": 1,
-    "name": "tiny",
-    "profile": "qwen3-8b",
-    "duration_s": 300.0,
-    "seeds": 1,
-    "cluster": {
-        "trainer": {"nodes": 1, "gpu_type": "h800"},
-        "rollout": {"nodes": 1, "gpu_type": "h20"},
-    },
-    "elastic": {
-        "source": "synthetic",
-        "synthetic": {
-            "gpu_type": "h800",
-            "arrivals_per_h": 12.0,
-            "lifetime_median_s": 400.0,
-            "lifetime_sigma": 0.5,
-            "max_gpus": 16,
-        },
-        "queue_delay_median_s": 5.0,
-        "grace_s": 30.0,
-    },
-    "rollout": {"batch_trajectories": 16, "staleness_versions": 1, "max_context_tokens": 32768},
-    "training": {"train_step_s": 20.0},
-    "policy": {"elastic": {"gpu_type": "h800", "gpus_per_allocation": 8}},
-}
+SCENARIO = scenario_dict(duration_s=300.0, elastic=True)  # tiny: 1 trainer, 1 rollout node
 
 
 def _write(path: Path, doc: Any) -> Path:
