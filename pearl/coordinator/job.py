@@ -29,7 +29,7 @@ from pearl.coordinator.config import CoordinatorConfig, load_config
 from pearl.coordinator.control_plane import MpiControl
 from pearl.coordinator.loop import Coordinator, workload_file
 from pearl.io.atomic import write_text_atomic
-from pearl.io.documents import InputError, load_profile
+from pearl.io.documents import InputError, load_profile, read_object
 from pearl.io.extras import require
 
 
@@ -37,10 +37,15 @@ def run_start_s(run_dir: Path) -> float:
     """Wall time at which the run first started (``RUN_DIR/run.json``, written once); the
     Slurm job of every incarnation is added to its ``slurm_job_ids`` (for accounting)."""
     path = run_dir / "run.json"
-    doc = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+    doc = read_object(path) if path.exists() else {}
     doc.setdefault("started_at_unix_s", time.time())
+    started = doc["started_at_unix_s"]
+    if isinstance(started, bool) or not isinstance(started, int | float) or started < 0:
+        raise InputError(path, "started_at_unix_s", f"must be a time, not {started!r}")
     job_id = os.environ.get("SLURM_JOB_ID")
     ids = doc.setdefault("slurm_job_ids", [])
+    if not isinstance(ids, list):
+        raise InputError(path, "slurm_job_ids", "must be a list of job ids")
     if job_id and job_id not in ids:
         ids.append(job_id)
     write_text_atomic(path, json.dumps(doc) + "\n")

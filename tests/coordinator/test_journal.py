@@ -151,3 +151,20 @@ def test_a_compacted_journal_replays_to_the_same_state_and_submissions(tmp_path:
     assert list(after.submitted) == ["el0042"]
     assert after.next_seq == before.next_seq + 3 and after.num_records == 3
     assert not path.with_name(path.name + ".compact").exists()
+
+
+def test_a_corrupt_run_json_is_one_line_naming_the_field(tmp_path: Path) -> None:
+    """``RUN_DIR/run.json`` (the run's first start, its Slurm jobs) is read like every
+    document: a corrupt one stops the coordinator in one line, never a traceback."""
+    from pearl.coordinator.job import run_start_s
+
+    first = run_start_s(tmp_path)
+    assert run_start_s(tmp_path) == first  # written once, read back
+    for text, needle in [
+        ("[", "run.json: line 1: malformed JSON"),
+        ('{"started_at_unix_s": "x"}', "run.json: started_at_unix_s: must be a time"),
+        ('{"slurm_job_ids": 3}', "run.json: slurm_job_ids: must be a list"),
+    ]:
+        (tmp_path / "run.json").write_text(text)
+        with pytest.raises(InputError, match=needle):
+            run_start_s(tmp_path)
