@@ -207,7 +207,7 @@ class Sandbox:
         flags = ["-I"] if c.site_packages else ["-I", "-S"]
         start = time.monotonic()
         proc = await asyncio.create_subprocess_exec(
-            sys.executable,
+            interpreter(c.site_packages),
             *flags,
             str(CHILD),
             json.dumps(limits),
@@ -518,16 +518,25 @@ def _reserve_uid(first: int, count: int) -> tuple[int, socket.socket] | None:
     return None
 
 
+def interpreter(site_packages: bool) -> str:
+    """The Python the sandboxed code runs (its ``sys.executable``). Without site-packages,
+    the real binary rather than a virtual environment's link: a venv under ``/tmp`` (a
+    clone there) vanishes under the run's fresh ``/tmp``, and with it ``sys.executable``
+    (``subprocess.run([sys.executable, ...])`` in the code failed). With site-packages
+    the venv's own (its packages are the point; one under ``/tmp`` is then hidden)."""
+    return sys.executable if site_packages else os.path.realpath(sys.executable)
+
+
 async def _readable_by(uid: int, site_packages: bool) -> bool:
     """Whether ``uid``, without any capability, can start this interpreter and import
     from it (checked once per process: an interpreter under ``/root`` cannot be)."""
-    key = (sys.executable, site_packages)
+    key = (interpreter(site_packages), site_packages)
     if key not in _READABLE_BY_OTHERS:
         flags = ["-I"] if site_packages else ["-I", "-S"]
         probe = _PROBE + (_PROBE_SITE if site_packages else "")
         try:
             proc = await asyncio.create_subprocess_exec(
-                *(sys.executable, *flags, "-c", probe),
+                *(interpreter(site_packages), *flags, "-c", probe),
                 user=uid,
                 group=uid,
                 extra_groups=[],
