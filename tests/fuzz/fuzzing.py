@@ -1,5 +1,5 @@
 """The fuzz suite's settings, ``@FUZZ`` on every fuzz test, in two profiles: ``ci``
-(the default: bounded examples per surface, the same on every run, so the whole suite
+(the default: 30 examples per test, the same on every run, so the whole suite
 stays fast and a red run reproduces) and ``long`` (``PEARL_FUZZ=long pytest tests/fuzz``:
 many more, random examples, for a developer hunting bugs).
 
@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, settings
 
 _PROFILES: dict[str, settings] = {
     "ci": settings(
-        max_examples=60,
+        max_examples=30,
         deadline=None,
         derandomize=True,  # the same cases on every CI run: a red run reproduces
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],

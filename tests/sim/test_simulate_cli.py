@@ -111,9 +111,11 @@ def test_bad_numbers_on_the_command_line_exit_2(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str, value: str
 ) -> None:
     scenario = _scenario_file(tmp_path)
-    code = main(["simulate", str(scenario), flag, value, "--out", str(tmp_path / "out")])
+    with pytest.raises(SystemExit) as refused:  # at parsing (pearl.cli.flags)
+        main(["simulate", str(scenario), flag, value, "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(err) == 1 and flag in err[0]
+    assert refused.value.code == 2 and len(err) == 1 and flag in err[0]
+    assert not (tmp_path / "out").exists()
 
 
 def test_bench_predictor_reports_the_error_of_every_decision(
