@@ -80,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
         workers = ProcessWorkers(commands, index, log_dir=args.log_dir, host=args.engine_host)
     agent_id = args.agent_id or f"{args.node}-{args.job_id or 'local'}-{os.getpid()}"
     if not AGENT_ID.fullmatch(agent_id):
-        raise InputError("--agent-id", "", f"{agent_id!r} is not of the form {AGENT_ID.pattern}")
+        problem = f"{agent_id!r} is not of the form {AGENT_ID.pattern}"
+        raise InputError("pearl agent", "--agent-id", problem)
     agent = Agent(
         args.run_dir,
         agent_id,
