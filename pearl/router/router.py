@@ -99,6 +99,7 @@ class TurnFailed(RuntimeError):
 
 
 MAX_FUTILE_TRIES = 50
+CONTROL_TIMEOUT_S = 30.0  # an abort's or a scrape's answer
 BACKOFF_S = (0.01, 0.5)  # the first wait after a futile try, and the longest
 
 
@@ -116,20 +117,33 @@ class Router:
         self.max_seqs_per_instance = max_seqs_per_instance
         self.timeout_s = timeout_s
         self.home: dict[str, tuple[str, int]] = {}  # traj -> (instance, cached prefix tokens)
-        self._clients: dict[str, EngineClient] = {}
+        self._clients: dict[str, EngineClient] = {}  # url -> its generations' connections
+        self._control: dict[str, EngineClient] = {}  # url -> its aborts' and scrapes'
         self._ids = itertools.count()
         self._output_tokens_sum = 0
         self._output_turns = 0
 
     async def aclose(self) -> None:
-        for c in self._clients.values():
-            await c.aclose()
-        self._clients.clear()
+        for clients in (self._clients, self._control):
+            for c in clients.values():
+                await c.aclose()
+            clients.clear()
 
     def client(self, inst: Instance) -> EngineClient:
+        """The client of ``inst``'s generations (a pool of httpx's 100 connections: more
+        requests wait in the pool)."""
         c = self._clients.get(inst.url)
         if c is None:
             c = self._clients[inst.url] = EngineClient(inst.url, timeout_s=self.timeout_s)
+        return c
+
+    def control(self, inst: Instance) -> EngineClient:
+        """The client of ``inst``'s aborts and scrapes, pooled apart from its generations:
+        an abort queued behind 100 generations that a sleeping engine holds would never
+        be sent (tests/router/test_plan_steps.py, the sleep with 130 requests)."""
+        c = self._control.get(inst.url)
+        if c is None:
+            c = self._control[inst.url] = EngineClient(inst.url, timeout_s=CONTROL_TIMEOUT_S)
         return c
 
     def forget(self, traj_id: str) -> None:
@@ -289,7 +303,7 @@ class Router:
             # no decode instance now (a plan is changing the pools): free the KV held for
             # one and route the turn again
             with contextlib.suppress(EngineError):
-                await self.client(prefill).abort_requests([prefill_rid])
+                await self.control(prefill).abort_requests([prefill_rid])
             out.finish_reason = "abort"
             return 0
         decode = self.table.get(decode_id)
@@ -334,7 +348,7 @@ class Router:
                 ids = list(inst.in_flight)
                 aborted.update(ids)
                 with contextlib.suppress(EngineError):
-                    await self.client(inst).abort_requests(ids)
+                    await self.control(inst).abort_requests(ids)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(inst.idle.wait(), 0.2)
 
@@ -346,7 +360,7 @@ class Router:
 
         async def one(inst: Instance) -> None:
             try:
-                m = await self.client(inst).metrics()
+                m = await self.control(inst).metrics()
             except EngineError:
                 return
             inst.scraped_waiting = int(m.get("vllm:num_requests_waiting", 0))

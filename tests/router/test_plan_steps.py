@@ -23,7 +23,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from engine_procs import EngineProc, running_engines
+from engine_procs import EngineProc, running_engines, start_engine, wait_healthy
 from router_turns import Turns, check_greedy, direct, router_over, serving_front, trajectory
 
 from pearl.control.coordinator_side import CommandStatus
@@ -31,6 +31,7 @@ from pearl.control.execute import PlanStepResult
 from pearl.core.execution import StepEffect
 from pearl.core.plan import Action, PlanStep
 from pearl.core.roles import Phase, Role
+from pearl.engines.client import EngineClient
 from pearl.router.plan_steps import PlanSteps
 from pearl.router.router import Router, Sampling, Turn
 from pearl.router.steps_client import RouterSteps
@@ -205,6 +206,47 @@ def test_a_migration_under_load_continues_every_turn_elsewhere_unchanged(
     for turns in trajs:
         assert all(len(tokens) == LONG.max_tokens for _, tokens, _ in turns)
         check_greedy(engines[2].url, turns)
+
+
+def test_a_sleep_takes_back_more_requests_than_one_connection_pool_holds(
+    tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """130 long turns on an engine that runs 2 at a time (the rest wait there), more than
+    httpx's default pool of 100 connections: the sleep's aborts reach the engine at once,
+    not queued behind generations the sleeping engine will never finish (a ``pearl run``
+    hung so in CI, 177 requests in flight on the trainer's engine)."""
+    (e,) = procs = [start_engine(tiny_model_dir, tmp_path, "s0", "--max-num-seqs", "2")]
+    n = 130
+
+    async def run() -> tuple[float, list[str]]:
+        r = router_over(procs, [R.COLOCATED])
+        steps = PlanSteps(r, leave_timeout_s=10)
+        load = [
+            asyncio.ensure_future(r.generate(Turn(f"p{i}", (70 + i % 50, 3, 4), LONGER)))
+            for i in range(n)
+        ]
+        try:
+            await _in_flight_on(r, "s0", n)
+            assert steps.start(A.SLEEP, "s0").effect is StepEffect.LEAVE
+            async with EngineClient(e.url) as engine:  # the sleep step's command, as an agent's
+                await engine.sleep(1)
+            t0 = time.monotonic()
+            await steps.settle()
+            return time.monotonic() - t0, [i.worker_id for i in r.table]
+        finally:
+            for task in load:
+                task.cancel()
+            await asyncio.gather(*load, return_exceptions=True)
+            await r.aclose()
+
+    try:
+        wait_healthy(procs)
+        with caplog.at_level(logging.WARNING, logger="pearl.router.plan_steps"):
+            settled_s, left = asyncio.run(run())
+    finally:
+        e.stop()
+    assert left == [] and not caplog.records, caplog.text
+    assert settled_s < 5.0, f"the aborts took {settled_s:.1f} s"
 
 
 # -- the table's bookkeeping, no traffic -----------------------------------------------
