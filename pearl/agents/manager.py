@@ -47,9 +47,9 @@ from pydantic_core import PydanticSerializationError
 from pearl.agents.batches import (
     RolloutBatch,
     Spool,
-    length_problem,
     trajectory_doc,
     trajectory_of,
+    trajectory_problem,
 )
 from pearl.agents.journal import JournalError, RolloutJournal, read_journal
 from pearl.agents.loop import Limits, Trajectory, TurnRecord, run_episode
@@ -598,12 +598,14 @@ class RolloutManager:
 
 def _checked(traj: Trajectory) -> tuple[Trajectory, dict[str, Any]]:
     """The trajectory as it can be journaled and trained on, and its journal document: one
-    whose per-token lists differ in length (an engine's answer was inconsistent) ends as
-    ``agent_error`` with no tokens; an ``info`` that is not JSON is kept as its repr."""
-    problem = length_problem(traj)
+    that cannot be trained on (``trajectory_problem``: an engine's answer was inconsistent
+    or impossible) ends as ``agent_error`` with no tokens; an ``info`` that is not JSON is
+    kept as its repr."""
+    problem = trajectory_problem(traj)
     if problem is not None:
-        log.error("%s", problem)
-        traj = Trajectory(traj.traj_id, end_reason="agent_error", info={"error": problem})
+        error = f"trajectory {traj.traj_id}: {problem[0]}: {problem[1]}"
+        log.error("%s", error)
+        traj = Trajectory(traj.traj_id, end_reason="agent_error", info={"error": error})
     try:
         return traj, trajectory_doc(traj)
     except PydanticSerializationError:

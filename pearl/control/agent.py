@@ -48,6 +48,7 @@ from pearl.control.portfile import wait_port_file
 from pearl.control.rendezvous import KnockRefused, knock_until_admitted
 from pearl.control.workers import Workers
 from pearl.core.plan import Action
+from pearl.io.documents import InputError
 
 EXIT_OK, EXIT_REFUSED, EXIT_LOST = 0, 2, 3
 _JOINS = frozenset({Action.START, Action.WAKE})  # acks that report the engine's URL
@@ -124,6 +125,9 @@ class Agent:
             )
         except KnockRefused as e:
             self._say(f"refused: {e}")
+            return EXIT_REFUSED
+        except InputError as e:  # a port file that is not one
+            self._say(f"bad port file: {e}")
             return EXIT_REFUSED
         except OSError as e:  # no port file in time, or a stale one: no coordinator
             self._say(f"no coordinator: {e}")

@@ -17,6 +17,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from pearl.io.documents import InputError
+from pearl.io.untrusted import UntrustedInput, loads_json
+
 PORT_FILE_VERSION = 1
 
 
@@ -56,22 +59,34 @@ def remove_port_file(run_dir: str | Path) -> None:
     port_file_path(run_dir).unlink(missing_ok=True)
 
 
+MAX_PORT_FILE_BYTES = 64 * 1024  # an MPI port name is a few hundred bytes
+MAX_FIELD_CHARS = 8192
+
+
 def read_port_file(run_dir: str | Path) -> PortInfo:
-    """Read and check the port file; ``ValueError`` names what is wrong."""
+    """Read and check the port file (as pearl reads untrusted text: bounded, finite); an
+    ``InputError`` names the field and what is wrong (``FileNotFoundError`` while there is
+    none yet)."""
     path = port_file_path(run_dir)
     st = path.stat()
     if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise ValueError(f"{path}: mode {oct(st.st_mode & 0o777)} is open to others, need 0600")
+        raise InputError(path, "", f"mode {oct(st.st_mode & 0o777)} is open to others, need 0600")
     try:
-        obj = json.loads(path.read_bytes())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not JSON: {e}") from None
+        obj = loads_json(path.read_bytes(), max_bytes=MAX_PORT_FILE_BYTES)
+    except UntrustedInput as err:
+        raise InputError(path, err.field, err.problem) from None
     if not isinstance(obj, dict) or obj.get("v") != PORT_FILE_VERSION:
-        raise ValueError(f"{path}: field 'v': expected version {PORT_FILE_VERSION}")
-    fields = {"port": str, "knock_host": str, "knock_port": int, "token": str, "pid": int}
-    for name, typ in fields.items():
-        if not isinstance(obj.get(name), typ):
-            raise ValueError(f"{path}: field '{name}': missing or not {typ.__name__}")
+        raise InputError(path, "v", f"expected version {PORT_FILE_VERSION}")
+    for name in ("port", "knock_host", "token"):
+        value = obj.get(name)
+        if not isinstance(value, str) or not 0 < len(value) <= MAX_FIELD_CHARS:
+            problem = f"missing, or not a text of 1-{MAX_FIELD_CHARS} characters"
+            raise InputError(path, name, problem)
+    for name, most in (("knock_port", 65535), ("pid", 2**22)):
+        value = obj.get(name)
+        if type(value) is not int or not 0 <= value <= most:
+            raise InputError(path, name, f"missing, or not an integer from 0 to {most}")
+    fields = ("port", "knock_host", "knock_port", "token", "pid")
     return PortInfo(**{k: obj[k] for k in fields})
 
 

@@ -30,12 +30,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import signal
 import socket
 import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from pydantic import Field
 
 from pearl.agents.manager import RolloutManager
 from pearl.cluster.backend import AllocationBackend
@@ -310,7 +313,9 @@ def ended_reason(goes_on: bool, cancelled: bool, failed: bool) -> str | None:
 class CalibrationState(Frozen):
     """``RUN_DIR/calibration.json``: the online calibration, kept for a resumed run."""
 
-    log_factor: float
+    log_factor: float = Field(  # as BatchCalibration.observe keeps it
+        ge=math.log(BatchCalibration.min_factor), le=math.log(BatchCalibration.max_factor)
+    )
     batches: NonNegInt
 
 

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from pearl.agents.batches import RolloutBatch
+from pearl.agents.batches import RolloutBatch, vocabulary_problem
 from pearl.engines.reference.config import ModelConfig
 from pearl.engines.reference.model import DTYPES, weight_shapes
 from pearl.engines.reference.weights import write_weights
@@ -174,6 +174,9 @@ class GrpoTrainer(Trainer, ABC):
                 f"batch {batch.batch_id}: policy version {batch.policy_version} is ahead of "
                 f"the trainer's weights (version {self._version})"
             )
+        outside = vocabulary_problem(batch, self.cfg.vocab_size)
+        if outside is not None:
+            raise ValueError(f"{outside[0]}: {outside[1]}")
         started = time.perf_counter()
         lay = layout(batch, self.config, self.rng)
         minibatches = [[m.to(self.device) for m in mb] for mb in lay.minibatches]

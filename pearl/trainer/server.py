@@ -36,8 +36,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from pearl.agents.batches import RolloutBatch, batch_of
-from pearl.engines.protocol import INT64_MAX, error_response, install_guards
+from pearl.agents.batches import batch_of
+from pearl.engines.protocol import error_response, install_guards
 from pearl.io.documents import InputError
 from pearl.trainer.config import TrainerConfig
 from pearl.trainer.protocol import Trainer
@@ -62,12 +62,10 @@ class _OutDir(BaseModel):
     out_dir: str = Field(min_length=1, max_length=MAX_PATH_CHARS)
 
 
-def build_app(
-    trainer: Trainer, backend: str = "reference", vocab_size: int | None = None
-) -> FastAPI:
-    """The routes over ``trainer``; a batch with an integer past int64 or (with
-    ``vocab_size``) a token id outside the vocabulary is a 400 (not torch's
-    OverflowError or IndexError, a 500)."""
+def build_app(trainer: Trainer, backend: str = "reference") -> FastAPI:
+    """The routes over ``trainer``; a batch that cannot be trained on (its own check,
+    ``pearl.agents.batches.batch_problem``, or the trainer's: a token outside the
+    vocabulary) is a 400 naming the field."""
     app = FastAPI(title="pearl trainer")
     install_guards(app, route_limits={"/train_step": MAX_BATCH_BYTES})
     lock = threading.Lock()
@@ -123,7 +121,6 @@ def build_app(
         batch = batch_of(text, "request body")  # a ValueError naming the field: 400
 
         def step() -> dict[str, Any]:
-            check_batch(batch, vocab_size)
             return {"metrics": dataclasses.asdict(trainer.train_step(batch))}
 
         out = await asyncio.to_thread(locked, step)  # a NaN loss stays NaN (not null)
@@ -155,34 +152,6 @@ def build_app(
     return app
 
 
-def check_batch(batch: RolloutBatch, vocab_size: int | None) -> None:
-    """ValueError (a 400) naming the first integer of ``batch`` that is not an int64 (torch
-    overflows on it) or, with ``vocab_size``, the first token id outside the vocabulary
-    (the model's embedding raises IndexError on it)."""
-    counts = {
-        "batch_id": [batch.batch_id],
-        "policy_version": [batch.policy_version],
-        "group_ids": batch.group_ids,
-        "off_policy_tokens": [batch.off_policy_tokens],
-        "max_staleness_versions": [batch.max_staleness_versions],
-    }
-    for i, t in enumerate(batch.trajectories):
-        counts |= {f"trajectories[{i}].versions": t.versions}
-        counts |= {f"trajectories[{i}].loss_mask": t.loss_mask}
-    for field, values in counts.items():
-        bad = next((x for x in values if not -INT64_MAX - 1 <= x <= INT64_MAX), None)
-        if bad is not None:
-            raise ValueError(f"{field}: {bad} is not a 64-bit integer")
-    if vocab_size is None:
-        return
-    for i, t in enumerate(batch.trajectories):
-        bad = next((x for x in t.token_ids if not 0 <= x < vocab_size), None)
-        if bad is not None:
-            raise ValueError(
-                f"trajectories[{i}].token_ids: {bad} is out of the vocabulary (size {vocab_size})"
-            )
-
-
 def _done(fn: Callable[[], None]) -> dict[str, Any]:
     fn()
     return {}
@@ -209,9 +178,8 @@ def serve(
         from pearl.trainer.reference import ReferenceTrainer
 
         trainer = ReferenceTrainer(model_dir, config)
-    from pearl.engines.reference.config import load_config
 
-    app = build_app(trainer, backend, vocab_size=load_config(model_dir).vocab_size)
+    app = build_app(trainer, backend)
     uvicorn.run(  # idle connections outlive the client's (httpx drops its own after 5 s)
         app,
         host=host,

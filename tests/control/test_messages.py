@@ -26,6 +26,7 @@ from pearl.control.messages import (
 from pearl.control.portfile import PortInfo, read_port_file, write_port_file
 from pearl.core.plan import Action
 from pearl.core.roles import Role
+from pearl.io.documents import InputError
 
 ALL = [
     Hello(token="t", agent_id="a", node="n", gpus=(GpuInfo(id="n/0", type="h100"),)),
@@ -137,9 +138,15 @@ def test_port_file_is_private_and_checked(tmp_path: object) -> None:
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert read_port_file(run) == info
     os.chmod(path, 0o644)
-    with pytest.raises(ValueError, match="0600"):
+    with pytest.raises(InputError, match="0600"):
         read_port_file(run)
     os.chmod(path, 0o600)
     path.write_text(json.dumps({"v": 1, "port": "p"}))
-    with pytest.raises(ValueError, match="knock_host"):
+    with pytest.raises(InputError, match="knock_host"):
+        read_port_file(run)
+    path.write_text(json.dumps({**info.__dict__, "v": 1, "knock_port": 10**30}))
+    with pytest.raises(InputError, match="knock_port: missing, or not an integer from 0"):
+        read_port_file(run)
+    path.write_text("[" * 5000)
+    with pytest.raises(InputError, match=r"port\.json"):
         read_port_file(run)
