@@ -14,6 +14,7 @@ that goes away mid-stream, a prompt of megabytes.
 from __future__ import annotations
 
 import json
+import socket
 import string
 import threading
 import time
@@ -385,6 +386,64 @@ def test_non_finite_and_absurd_numbers_are_400s_naming_the_field(
         )
         err = error_of(r)
         assert (r.status_code, err["param"]) == (400, field), (body[:80], err)
+    engine_serves(client, engine.url)
+
+
+def _hostile_kv_peer(answers: list[bytes]) -> tuple[int, threading.Event]:
+    """A KV side channel on a free port that answers each pull with the next of
+    ``answers`` (a head line, maybe more) and closes; the event is set when all are sent."""
+    server = socket.create_server(("127.0.0.1", 0))
+    done = threading.Event()
+
+    def serve() -> None:
+        with server:
+            for answer in answers:
+                conn, _ = server.accept()
+                with conn:
+                    conn.recv(4096)  # the pull's request line
+                    conn.sendall(answer)
+        done.set()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return server.getsockname()[1], done
+
+
+def test_a_kv_peer_that_announces_terabytes_or_nests_json_is_a_400(
+    engine: EngineProc, client: httpx.Client
+) -> None:
+    """The decode reads no byte of a prefill past what its prompt's KV can take (it once
+    called ``readexactly`` on any announced size), and a nested head line is refused."""
+    answers = [b'{"ok": true, "bytes": 1000000000000}\n', b"[" * 4000 + b"\n"]
+    port, done = _hostile_kv_peer(answers)
+    kv = {"do_remote_prefill": True, "remote_engine_id": "p", "remote_request_id": "r",
+          "remote_block_ids": [0], "remote_host": "127.0.0.1", "remote_port": port}  # fmt: skip
+    problems = []
+    for _ in answers:
+        r = post_json(client, f"{engine.url}/v1/completions", VALID | {"kv_transfer_params": kv})
+        err = error_of(r)
+        assert (r.status_code, err["param"]) == (400, "kv_transfer_params"), err
+        problems.append(err["message"])
+    assert done.wait(PROMPT_S)
+    assert "announces 1000000000000 bytes, not a prefill's" in problems[0], problems
+    assert "nested more than 32 deep" in problems[1], problems
+    engine_serves(client, engine.url)
+
+
+def test_a_weight_version_that_is_not_an_int64_is_a_400(
+    engine: EngineProc, client: httpx.Client
+) -> None:
+    """``true`` and ``10**30`` were taken as versions (a bool is an int in Python; an int64
+    does not hold the other), by the weight push and by ``reload_weights`` alike."""
+    assert client.post(f"{engine.url}/start_weight_update").status_code == 200
+    for bad in (True, 10**30, -1, 1.5, "3"):
+        r = post_json(client, f"{engine.url}/finish_weight_update", {"weight_version": bad})
+        assert (r.status_code, error_of(r)["param"]) == (400, "weight_version"), r.text
+        r = post_json(
+            client,
+            f"{engine.url}/collective_rpc",
+            {"method": "reload_weights", "kwargs": {"weight_version": bad}},
+        )
+        assert (r.status_code, error_of(r)["param"]) == (400, "kwargs"), r.text
     engine_serves(client, engine.url)
 
 

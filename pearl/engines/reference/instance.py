@@ -142,6 +142,12 @@ class Instance:
         c = self.cfg
         return (c.num_hidden_layers, num_tokens, c.num_key_value_heads, c.head_dim)
 
+    def kv_transfer_bytes(self, num_tokens: int) -> int:
+        """The most a prefill of ``num_tokens`` may take on the KV side channel: its keys,
+        values and logits at 8 bytes a number (the widest dtype), and 64 KiB of header."""
+        layers, tokens, heads, dim = self.kv_shape(num_tokens)
+        return 8 * (2 * layers * tokens * heads * dim + self.vocab_size) + 65536
+
     async def completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
         p = body.prompt
         if isinstance(p, str):

@@ -41,7 +41,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from safetensors import SafetensorError
 
 from pearl.engines.protocol import (
-    INT64_MAX,
     MAX_ABORT_IDS,
     MAX_ID_CHARS,
     ChatCompletionRequest,
@@ -51,7 +50,7 @@ from pearl.engines.protocol import (
     install_guards,
     usage,
 )
-from pearl.engines.reference.errors import BadRequestError
+from pearl.engines.reference.errors import BadRequestError, weight_version_of
 from pearl.engines.reference.generation import (
     Generation,
     chat_logprobs,
@@ -116,7 +115,11 @@ def build_app(inst: Instance) -> FastAPI:
         t0 = time.monotonic()
         try:
             (keys, values, logits), size = await pull(
-                kv.remote_host, kv.remote_port, kv.remote_engine_id, kv.remote_request_id
+                kv.remote_host,
+                kv.remote_port,
+                kv.remote_engine_id,
+                kv.remote_request_id,
+                max_bytes=inst.kv_transfer_bytes(len(prompt)),
             )
         except TransferError as err:
             raise BadRequestError(f"kv_transfer_params: {err}", "kv_transfer_params") from None
@@ -460,13 +463,7 @@ def build_app(inst: Instance) -> FastAPI:
         path, ver = kwargs.get("weights_path"), kwargs.get("weight_version")
         if path is not None and not isinstance(path, str):
             raise BadRequestError("kwargs.weights_path: a directory's path is required", "kwargs")
-        if ver is not None and (isinstance(ver, bool) or not isinstance(ver, int)):
-            raise BadRequestError("kwargs.weight_version: an integer is required", "kwargs")
-        if ver is not None and not 0 <= ver <= INT64_MAX:
-            raise BadRequestError(
-                f"kwargs.weight_version: from 0 to {INT64_MAX} ({_shown(ver)} given)", "kwargs"
-            )
-        version = await inst.reload(path, ver)
+        version = await inst.reload(path, weight_version_of(ver, "kwargs.weight_version"))
         return {"results": [{"weight_version": version}]}
 
     inst.push.attach(app)

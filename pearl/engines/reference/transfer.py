@@ -22,6 +22,8 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from pearl.io.untrusted import loads_json
+
 Tensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 MAX_LINE_BYTES = 4096
 
@@ -40,7 +42,9 @@ def serve(
         try:
             line = await reader.readline()
             try:
-                ask = json.loads(line[:MAX_LINE_BYTES])
+                ask = loads_json(line, max_bytes=MAX_LINE_BYTES)
+                if not isinstance(ask, dict):
+                    raise ValueError("the request is not a JSON object")
                 rid = str(ask["request_id"])
                 if ask.get("engine_id") != engine_id:
                     raise KeyError(f"this is engine {engine_id!r}, not {ask.get('engine_id')!r}")
@@ -60,10 +64,17 @@ def serve(
 
 
 async def pull(
-    host: str, port: int, engine_id: str, request_id: str, timeout_s: float = 30.0
+    host: str,
+    port: int,
+    engine_id: str,
+    request_id: str,
+    *,
+    max_bytes: int,
+    timeout_s: float = 30.0,
 ) -> tuple[Tensors, int]:
     """The held prefill ``request_id`` of engine ``engine_id`` at ``host:port``, and its
-    size in bytes; ``TransferError`` if it cannot be had."""
+    size in bytes; ``TransferError`` if it cannot be had, or if the peer announces more
+    than ``max_bytes`` (nothing of it is read)."""
     try:
         reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
     except (OSError, TimeoutError) as err:
@@ -72,10 +83,18 @@ async def pull(
         ask = {"engine_id": engine_id, "request_id": request_id}
         writer.write(json.dumps(ask).encode() + b"\n")
         await writer.drain()
-        head = json.loads(await asyncio.wait_for(reader.readline(), timeout_s) or b"{}")
-        if not head.get("ok"):
-            raise TransferError(f"{host}:{port}: {head.get('error', 'no answer')}")
-        data = await asyncio.wait_for(reader.readexactly(int(head["bytes"])), timeout_s)
+        line = await asyncio.wait_for(reader.readline(), timeout_s)
+        head = loads_json(line or b"{}", max_bytes=MAX_LINE_BYTES)
+        if not isinstance(head, dict) or not head.get("ok"):
+            error = head.get("error", "no answer") if isinstance(head, dict) else "no answer"
+            raise TransferError(f"{host}:{port}: {str(error)[:500]}")
+        size = head.get("bytes")
+        if type(size) is not int or not 0 < size <= max_bytes:
+            raise TransferError(
+                f"{host}:{port}: announces {str(size)[:40]} bytes, not a prefill's (at most "
+                f"{max_bytes} for this prompt)"
+            )
+        data = await asyncio.wait_for(reader.readexactly(size), timeout_s)
     except (OSError, TimeoutError, asyncio.IncompleteReadError, ValueError) as err:
         raise TransferError(f"KV pull from {host}:{port} failed: {err}") from None
     finally:

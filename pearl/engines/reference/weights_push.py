@@ -23,7 +23,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 
 from pearl.engines.reference.engine import EngineCore
-from pearl.engines.reference.errors import BadRequestError
+from pearl.engines.reference.errors import BadRequestError, weight_version_of
 from pearl.engines.reference.model import CausalLM, WeightError
 
 T = TypeVar("T")
@@ -103,9 +103,7 @@ class WeightPush:
         @app.post("/finish_weight_update")
         async def finish_weight_update(request: Request) -> dict[str, Any]:
             body = await inst.json_body(request)
-            version = body.get("weight_version")
-            if version is not None and not isinstance(version, int):
-                raise BadRequestError("weight_version: an integer is required", "weight_version")
+            version = weight_version_of(body.get("weight_version"), "weight_version")
             if self.staged is None:
                 raise BadRequestError("no weight update started (POST /start_weight_update)")
             staged, self.staged = self.staged, None
