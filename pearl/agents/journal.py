@@ -28,15 +28,92 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Annotated, Any
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from pearl.core.limits import (
+    MAX_GROUP_SIZE,
+    MAX_ID_CHARS,
+    MAX_TOKENS,
+    MAX_TRAJECTORIES,
+    NonNegInt,
+    Seconds,
+    Tokens,
+)
+from pearl.io.documents import one_line
 from pearl.io.untrusted import MAX_DOCUMENT_BYTES, loads_json
 
 EVENTS = ("start", "admit", "turn", "env", "finish", "batch", "updated", "lost")
+TrajId = Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS)]
+Version = Annotated[int, Field(ge=-1, le=2**62)]  # -1: a token the model did not generate
+
+
+class Event(BaseModel):
+    """One journal line's fields, checked before it is replayed (the module's table);
+    ``start``'s are checked against the configuration instead."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    e: str
+    t: Seconds
+
+
+class AdmitEvent(Event):
+    group_id: NonNegInt
+    traj_ids: tuple[TrajId, ...] = Field(min_length=1, max_length=MAX_GROUP_SIZE)
+
+
+class TurnEvent(Event):
+    traj_id: TrajId
+    spans: tuple[tuple[Version, Tokens], ...] = Field(max_length=MAX_TOKENS)
+
+
+class EnvEvent(Event):
+    traj_id: TrajId
+    env_s: Seconds
+    observation_tokens: Tokens
+
+
+class FinishEvent(Event):
+    traj_id: TrajId
+    trajectory: dict[str, Any]
+
+
+class BatchEvent(Event):
+    batch_id: NonNegInt
+    traj_ids: tuple[TrajId, ...] = Field(max_length=MAX_TRAJECTORIES)
+
+
+class UpdatedEvent(Event):
+    version: NonNegInt
+
+
+class LostEvent(Event):
+    traj_id: TrajId
+
+
+SCHEMAS: dict[str, type[Event]] = {
+    "start": Event, "admit": AdmitEvent, "turn": TurnEvent, "env": EnvEvent, "finish": FinishEvent,
+    "batch": BatchEvent, "updated": UpdatedEvent, "lost": LostEvent,
+}  # fmt: skip
+
+
+def event_of(doc: dict[str, Any]) -> Event:
+    """``doc``'s event, its fields checked; a ``ValueError`` naming the first bad one."""
+    try:
+        return SCHEMAS[doc["e"]].model_validate(doc)
+    except ValidationError as err:
+        e = err.errors()[0]
+        field = ".".join(str(p) for p in e["loc"]) or "(event)"
+        raise ValueError(f"field '{field}': {e['msg']}") from None
 
 
 class JournalError(ValueError):
-    """A journal that cannot be replayed: one line naming the file, line and problem."""
+    """A journal that cannot be replayed: one line naming the file, line and problem (a
+    control character it quotes is escaped)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(one_line(message))
 
 
 class RolloutJournal:

@@ -51,7 +51,19 @@ from pearl.agents.batches import (
     trajectory_of,
     trajectory_problem,
 )
-from pearl.agents.journal import JournalError, RolloutJournal, read_journal
+from pearl.agents.journal import (
+    AdmitEvent,
+    BatchEvent,
+    EnvEvent,
+    FinishEvent,
+    JournalError,
+    LostEvent,
+    RolloutJournal,
+    TurnEvent,
+    UpdatedEvent,
+    event_of,
+    read_journal,
+)
 from pearl.agents.loop import Limits, Trajectory, TurnRecord, run_episode
 from pearl.core.workload import TrajPhase, WorkloadSnapshot
 from pearl.engines.reference.tokenizer import Tokenizer
@@ -551,7 +563,10 @@ class RolloutManager:
                     f"{path}:1: field '{name}': the run has {first.get(name)}, this "
                     f"configuration {value} (a run resumes with the configuration it began with)"
                 )
-        self._t0_unix_s = float(first["run_started_unix_s"])
+        started = first.get("run_started_unix_s")
+        if not isinstance(started, int | float) or not 0 <= started < MAX_UNIX_S:
+            raise JournalError(f"{path}:1: field 'run_started_unix_s': not a time: {started!r}")
+        self._t0_unix_s = float(started)
         led = self.ledger
         for number, ev in enumerate(events[1:], start=2):
             try:
@@ -559,41 +574,44 @@ class RolloutManager:
             except (KeyError, ValueError, TypeError) as err:
                 raise JournalError(f"{path}:{number}: {ev['e']}: {err}") from None
 
-    def _replay_one(self, led: RolloutLedger, ev: dict[str, Any]) -> None:
-        kind, t = ev["e"], float(ev["t"])
-        if kind == "admit":
-            led.admit(tuple(ev["traj_ids"]), t)
-            for traj_id in ev["traj_ids"]:
+    def _replay_one(self, led: RolloutLedger, doc: dict[str, Any]) -> None:
+        ev = event_of(doc)
+        if isinstance(ev, AdmitEvent):
+            led.admit(ev.traj_ids, ev.t)
+            for traj_id in ev.traj_ids:
                 self._turns_done[traj_id] = 0
-        elif kind == "turn":
-            led.sent(ev["traj_id"])
-            for version, n in ev["spans"]:
-                led.generated(ev["traj_id"], int(n), int(version))
-            led.turn_ended(ev["traj_id"], t, last=False)
-            self._turns_done[ev["traj_id"]] += 1
-            self.observer.turn_ended(sum(int(n) for _, n in ev["spans"]))
-        elif kind == "env":
-            self.observer.env_step(float(ev["env_s"]), int(ev["observation_tokens"]))
-        elif kind == "finish":
-            traj = trajectory_of(ev["trajectory"], "trajectory")
-            led.finish(ev["traj_id"], t)
+        elif isinstance(ev, TurnEvent):
+            led.sent(ev.traj_id)
+            for version, n in ev.spans:
+                led.generated(ev.traj_id, n, version)
+            led.turn_ended(ev.traj_id, ev.t, last=False)
+            self._turns_done[ev.traj_id] += 1
+            self.observer.turn_ended(sum(n for _, n in ev.spans))
+        elif isinstance(ev, EnvEvent):
+            self.observer.env_step(ev.env_s, ev.observation_tokens)
+        elif isinstance(ev, FinishEvent):
+            traj = trajectory_of(ev.trajectory, "trajectory")
+            led.finish(ev.traj_id, ev.t)
             self._finished_books(traj)
-        elif kind == "batch":
-            taken = led.take_batch(t)
-            if taken.batch_id != ev["batch_id"] or list(taken.traj_ids) != ev["traj_ids"]:
-                raise ValueError(f"batch {ev['batch_id']} does not replay to the same groups")
+        elif isinstance(ev, BatchEvent):
+            taken = led.take_batch(ev.t)
+            if taken.batch_id != ev.batch_id or taken.traj_ids != ev.traj_ids:
+                raise ValueError(f"batch {ev.batch_id} does not replay to the same groups")
             for traj_id in taken.traj_ids:
                 self.finished.pop(traj_id)
-            self._batch_started_t = t
+            self._batch_started_t = ev.t
             self._completed_logged = taken.batch_id  # (the next one: logged when complete)
-        elif kind == "updated":
-            outcome = led.updated(t, int(ev["version"]))
+        elif isinstance(ev, UpdatedEvent):
+            outcome = led.updated(ev.t, ev.version)
             for traj_id in (*outcome.restarted, *outcome.dropped):
                 self.finished.pop(traj_id, None)
                 self._turns_done[traj_id] = 0
-        elif kind == "lost":
-            led.lost(ev["traj_id"])
-            self._turns_done[ev["traj_id"]] = 0
+        elif isinstance(ev, LostEvent):
+            led.lost(ev.traj_id)
+            self._turns_done[ev.traj_id] = 0
+
+
+MAX_UNIX_S = 2**40  # a wall time, in seconds since 1970 (the year 36812)
 
 
 def _checked(traj: Trajectory) -> tuple[Trajectory, dict[str, Any]]:
