@@ -35,7 +35,8 @@ What is enforced, and how (``docs/envs.md``, "The Python sandbox", has the whole
 The uid of its own, the namespaces and the network namespace each fall back where the host
 refuses them (pearl not root, no ``CAP_SYS_ADMIN``, a seccomp filter) unless made
 mandatory (``user: drop``, ``isolation: namespace``, ``network: namespace``);
-``SandboxResult`` says what a run had. Not enforced even with all of them: reading the
+``SandboxResult`` says what a run had. The uid of its own, its checks and the sweep after a
+run are ``pearl.envs.sandbox_uids``. Not enforced even with all of them: reading the
 host's files; the memory of all processes together (up to ``max_processes`` times
 ``memory_mb``, plus the tmpfs). Without the mount namespace: writes to world-writable
 places other than /tmp, /var/tmp and /dev/shm (those are swept of the uid's files), and
@@ -48,17 +49,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import grp
 import json
 import logging
 import os
-import pwd
-import random
 import shutil
 import signal
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -68,21 +63,22 @@ from typing import Any, Literal
 from pydantic import Field
 
 from pearl.core.state import Frozen
+from pearl.envs.sandbox_uids import (
+    OwnUid,
+    SandboxError,
+    interpreter,
+    own_uid,
+    remove_files_of,
+    sweep,
+)
+
+__all__ = ["Sandbox", "SandboxConfig", "SandboxError", "SandboxResult", "render"]
 
 CHILD = Path(__file__).with_name("sandbox_child.py")
 SETUP_FAILED = 125  # sandbox_child's status when the sandbox cannot be set up as asked
 SWEEP_S = 1.0  # the longest the parent waits for, and kills, what is left of a run
 DRAIN_AFTER_KILL_S = 1.0  # how long to wait for the pipes once the processes are dead
-SHARED_TMP = ("/tmp", "/var/tmp", "/dev/shm")  # as in sandbox_child: world-writable places
-PROBE_TIMEOUT_S = 30.0  # for the one check whether a fresh uid can start the interpreter
 _CHUNK = 65536
-# What changing to the run's uid and cleaning up after it take (bits of CapEff).
-_NEEDED_CAPS = {0: "CAP_CHOWN", 5: "CAP_KILL", 6: "CAP_SETGID", 7: "CAP_SETUID"}
-CAP_DAC_READ_SEARCH = 2
-_PROBE = "import json, decimal, ctypes, multiprocessing"
-_PROBE_SITE = "; import os, site; [os.listdir(p) for p in site.getsitepackages()]"
-# Per interpreter and ``site_packages``: whether a uid without any rights can start it.
-_READABLE_BY_OTHERS: dict[tuple[str, bool], bool] = {}
 log = logging.getLogger(__name__)
 
 
@@ -137,10 +133,6 @@ class SandboxConfig(Frozen):
     )
 
 
-class SandboxError(RuntimeError):
-    """The sandbox could not be set up as configured (not the code's fault)."""
-
-
 @dataclass(frozen=True)
 class SandboxResult:
     exit_code: int | None  # None when killed by the timeout
@@ -161,21 +153,12 @@ class SandboxResult:
         return signal.Signals(-self.exit_code).name
 
 
-@dataclass
-class _OwnUid:
-    """A uid (and the gid of the same number) reserved for one run while ``lock`` is open."""
-
-    uid: int
-    read_all: bool  # the interpreter is unreadable to others: keep CAP_DAC_READ_SEARCH
-    lock: socket.socket
-
-
 class Sandbox:
     def __init__(self, config: SandboxConfig | None = None) -> None:
         self.config = config or SandboxConfig()
 
     async def run(self, code: str) -> SandboxResult:
-        own = await _own_uid(self.config)
+        own = await own_uid(self.config)
         root = Path(tempfile.mkdtemp(prefix="pearl-sandbox-"))
         try:
             work = root / "work"
@@ -191,7 +174,7 @@ class Sandbox:
             if own is not None:
                 own.lock.close()
 
-    async def _run_in(self, work: Path, status: Path, own: _OwnUid | None) -> SandboxResult:
+    async def _run_in(self, work: Path, status: Path, own: OwnUid | None) -> SandboxResult:
         c = self.config
         limits = {
             "network": c.network,
@@ -365,7 +348,7 @@ def _exit_code(state: dict[str, Any], returncode: int | None) -> int | None:
     return code if isinstance(code, int) else returncode
 
 
-async def _contain(state: dict[str, Any], own: _OwnUid | None) -> bool:
+async def _contain(state: dict[str, Any], own: OwnUid | None) -> bool:
     """After the process group is dead: wait for the namespace to end and kill whatever
     still runs as the run's uid (within ``SWEEP_S``); without a mount namespace, remove the
     uid's files from the shared temporary directories. Whether nothing was left running."""
@@ -374,212 +357,13 @@ async def _contain(state: dict[str, Any], own: _OwnUid | None) -> bool:
     if uid is None and not isinstance(init, int):
         return True
     contained = await asyncio.to_thread(
-        _sweep, uid, init if isinstance(init, int) else None, SWEEP_S
+        sweep, uid, init if isinstance(init, int) else None, SWEEP_S
     )
     if uid is not None and state.get("isolation") != "namespace":
-        await asyncio.to_thread(_remove_files_of, uid)
+        await asyncio.to_thread(remove_files_of, uid)
     if not contained:
         log.warning("sandbox: processes of uid %s outlived the run", uid)
     return contained
-
-
-def _proc_status(pid: str) -> dict[str, str]:
-    try:
-        with open(f"/proc/{pid}/status", encoding="utf-8") as f:
-            return dict(line.rstrip("\n").split(":\t", 1) for line in f if ":\t" in line)
-    except (OSError, ValueError):
-        return {}
-
-
-def _runs_as(fields: dict[str, str], uid: int) -> bool:
-    ids = fields.get("Uid", "").split()
-    return len(ids) >= 2 and uid in (int(ids[0]), int(ids[1]))  # real or effective
-
-
-def _live(fields: dict[str, str]) -> bool:
-    return bool(fields) and not fields.get("State", "").startswith(("Z", "X"))
-
-
-def _pids_of(uid: int, live_only: bool) -> list[int]:
-    """The processes running as ``uid`` (really or effectively), from ``/proc``."""
-    pids = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            fields = _proc_status(name)
-            if _runs_as(fields, uid) and (_live(fields) or not live_only):
-                pids.append(int(name))
-    return pids
-
-
-def _kill_if_runs_as(pid: int, uid: int) -> None:
-    """SIGKILL ``pid`` if it still runs as ``uid``; through a pidfd where the kernel has
-    them, so that a pid reused by another process in the meantime is never hit."""
-    try:
-        handle: int | None = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return
-    except OSError:  # before Linux 5.3
-        handle = None
-    try:
-        if not _runs_as(_proc_status(str(pid)), uid):
-            return
-        if handle is None:
-            os.kill(pid, signal.SIGKILL)
-        else:
-            signal.pidfd_send_signal(handle, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    finally:
-        if handle is not None:
-            os.close(handle)
-
-
-def _sweep(uid: int | None, init_pid: int | None, within_s: float) -> bool:
-    """Kill every live process of ``uid`` and wait for the namespace's init to be gone,
-    until none is left or ``within_s`` has passed; whether none is left."""
-    end = time.monotonic() + within_s
-    while True:
-        pids = [] if uid is None else _pids_of(uid, live_only=True)
-        waiting = init_pid is not None and _live(_proc_status(str(init_pid)))
-        if not pids and not waiting:
-            return True
-        if time.monotonic() >= end:
-            return False
-        for pid in pids:
-            _kill_if_runs_as(pid, uid)  # type: ignore[arg-type]  # pids is empty without uid
-        time.sleep(0.005)
-
-
-def _remove_files_of(uid: int) -> None:
-    """Remove what ``uid`` made at the top of the shared temporary directories (the only
-    places, with other world-writable ones, where a uid of its own can write)."""
-    for folder in dict.fromkeys([*SHARED_TMP, tempfile.gettempdir()]):
-        with contextlib.suppress(OSError):
-            for entry in os.scandir(folder):
-                with contextlib.suppress(OSError):
-                    if entry.stat(follow_symlinks=False).st_uid != uid:
-                        continue
-                    if entry.is_dir(follow_symlinks=False):
-                        shutil.rmtree(entry.path)
-                    else:
-                        os.unlink(entry.path)
-
-
-def _capabilities() -> int:
-    """This process's effective capabilities (a bit mask)."""
-    return int(_proc_status("self").get("CapEff", "0"), 16)
-
-
-def _why_not_own_uid() -> str | None:
-    if os.geteuid() != 0:
-        return "pearl does not run as root"
-    missing = [name for bit, name in _NEEDED_CAPS.items() if not _capabilities() >> bit & 1]
-    return f"pearl lacks {', '.join(missing)}" if missing else None
-
-
-def _mapped(number: int, kind: Literal["uid", "gid"]) -> bool:
-    """Whether ``number`` exists in this user namespace (a rootless container maps few)."""
-    try:
-        with open(f"/proc/self/{kind}_map", encoding="utf-8") as f:
-            ranges = [tuple(int(x) for x in line.split()) for line in f if line.strip()]
-    except OSError:
-        return True
-    return any(first <= number < first + count for first, _, count in ranges)
-
-
-def _has_account(number: int) -> bool:
-    try:
-        pwd.getpwuid(number)
-    except KeyError:
-        try:
-            grp.getgrgid(number)
-        except KeyError:
-            return False
-    return True
-
-
-def _reserve_uid(first: int, count: int) -> tuple[int, socket.socket] | None:
-    """A uid no account, no group and no process has, reserved against other sandboxes
-    (of this host's network namespace) by binding an abstract unix socket named after it."""
-    for _ in range(min(count, 32)):
-        uid = first + random.randrange(count)
-        if not (_mapped(uid, "uid") and _mapped(uid, "gid")):
-            continue
-        lock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        try:
-            lock.bind(f"\0pearl-sandbox-uid-{uid}")
-        except OSError:
-            lock.close()
-            continue
-        if _has_account(uid) or _pids_of(uid, live_only=False):
-            lock.close()
-            continue
-        return uid, lock
-    return None
-
-
-def interpreter(site_packages: bool) -> str:
-    """The Python the sandboxed code runs (its ``sys.executable``). Without site-packages,
-    the real binary rather than a virtual environment's link: a venv under ``/tmp`` (a
-    clone there) vanishes under the run's fresh ``/tmp``, and with it ``sys.executable``
-    (``subprocess.run([sys.executable, ...])`` in the code failed). With site-packages
-    the venv's own (its packages are the point; one under ``/tmp`` is then hidden)."""
-    return sys.executable if site_packages else os.path.realpath(sys.executable)
-
-
-async def _readable_by(uid: int, site_packages: bool) -> bool:
-    """Whether ``uid``, without any capability, can start this interpreter and import
-    from it (checked once per process: an interpreter under ``/root`` cannot be)."""
-    key = (interpreter(site_packages), site_packages)
-    if key not in _READABLE_BY_OTHERS:
-        flags = ["-I"] if site_packages else ["-I", "-S"]
-        probe = _PROBE + (_PROBE_SITE if site_packages else "")
-        try:
-            proc = await asyncio.create_subprocess_exec(
-                *(interpreter(site_packages), *flags, "-c", probe),
-                user=uid,
-                group=uid,
-                extra_groups=[],
-                cwd="/",
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.DEVNULL,
-                stderr=asyncio.subprocess.DEVNULL,
-            )
-        except (OSError, subprocess.SubprocessError):
-            _READABLE_BY_OTHERS[key] = False
-        else:
-            try:
-                _READABLE_BY_OTHERS[key] = await asyncio.wait_for(proc.wait(), PROBE_TIMEOUT_S) == 0
-            except TimeoutError:
-                proc.kill()
-                await proc.wait()
-                _READABLE_BY_OTHERS[key] = False
-    return _READABLE_BY_OTHERS[key]
-
-
-async def _own_uid(config: SandboxConfig) -> _OwnUid | None:
-    """The run's own uid, per ``config.user``; None to run as pearl's user. Raises
-    ``SandboxError`` when ``user: drop`` cannot be honoured."""
-    if config.user == "keep":
-        return None
-    why = _why_not_own_uid()
-    reserved = None if why else _reserve_uid(config.uid_min, config.uid_count)
-    if why is None and reserved is None:
-        why = f"no free uid among {config.uid_count} from {config.uid_min}"
-    if reserved is not None:
-        uid, lock = reserved
-        try:
-            readable = await _readable_by(uid, config.site_packages)
-        except BaseException:  # cancelled meanwhile
-            lock.close()
-            raise
-        if readable or _capabilities() >> CAP_DAC_READ_SEARCH & 1:
-            return _OwnUid(uid, read_all=not readable, lock=lock)
-        lock.close()
-        why = "other users cannot read the interpreter, and pearl lacks CAP_DAC_READ_SEARCH"
-    if config.user == "drop":
-        raise SandboxError(f"cannot run the code as a uid of its own: {why}")
-    return None
 
 
 def _text(data: bytearray, max_chars: int) -> str:
