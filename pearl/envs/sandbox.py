@@ -158,7 +158,8 @@ class Sandbox:
         self.config = config or SandboxConfig()
 
     async def run(self, code: str) -> SandboxResult:
-        own = await own_uid(self.config)
+        c = self.config
+        own = await own_uid(c.user, c.uid_min, c.uid_count, c.site_packages)
         root = Path(tempfile.mkdtemp(prefix="pearl-sandbox-"))
         try:
             work = root / "work"

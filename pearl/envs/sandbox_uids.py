@@ -21,10 +21,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
-
-if TYPE_CHECKING:
-    from pearl.envs.sandbox import SandboxConfig
+from typing import Literal
 
 SHARED_TMP = ("/tmp", "/var/tmp", "/dev/shm")  # as in sandbox_child: world-writable places
 PROBE_TIMEOUT_S = 30.0  # for the one check whether a fresh uid can start the interpreter
@@ -224,19 +221,21 @@ async def _readable_by(uid: int, site_packages: bool) -> bool:
     return _READABLE_BY_OTHERS[key]
 
 
-async def own_uid(config: SandboxConfig) -> OwnUid | None:
-    """The run's own uid, per ``config.user``; None to run as pearl's user. Raises
-    ``SandboxError`` when ``user: drop`` cannot be honoured."""
-    if config.user == "keep":
+async def own_uid(
+    user: Literal["auto", "drop", "keep"], uid_min: int, uid_count: int, site_packages: bool
+) -> OwnUid | None:
+    """The run's own uid, per ``user`` (``SandboxConfig``'s fields); None to run as pearl's
+    user. Raises ``SandboxError`` when ``user: drop`` cannot be honoured."""
+    if user == "keep":
         return None
     why = _why_not_own_uid()
-    reserved = None if why else _reserve_uid(config.uid_min, config.uid_count)
+    reserved = None if why else _reserve_uid(uid_min, uid_count)
     if why is None and reserved is None:
-        why = f"no free uid among {config.uid_count} from {config.uid_min}"
+        why = f"no free uid among {uid_count} from {uid_min}"
     if reserved is not None:
         uid, lock = reserved
         try:
-            readable = await _readable_by(uid, config.site_packages)
+            readable = await _readable_by(uid, site_packages)
         except BaseException:  # cancelled meanwhile
             lock.close()
             raise
@@ -244,6 +243,6 @@ async def own_uid(config: SandboxConfig) -> OwnUid | None:
             return OwnUid(uid, read_all=not readable, lock=lock)
         lock.close()
         why = "other users cannot read the interpreter, and pearl lacks CAP_DAC_READ_SEARCH"
-    if config.user == "drop":
+    if user == "drop":
         raise SandboxError(f"cannot run the code as a uid of its own: {why}")
     return None

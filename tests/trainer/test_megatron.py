@@ -514,7 +514,8 @@ def _agreement_batch(policy: PolicyModel) -> RolloutBatch:
     subset = frozenset(range(3, 200))
     trajs = []
     for i, (p, o, lp) in enumerate(sample(policy, prompts, 4, 6, gen)):
-        noisy = (torch.tensor(lp) + 0.4 * torch.randn(len(lp), generator=gen)).tolist()
+        noise = 0.4 * torch.randn(len(lp), generator=gen)
+        noisy = (torch.tensor(lp) + noise).clamp(max=0.0).tolist()  # still logprobs
         end = "agent_error" if i == 1 else "answered"
         reward = float("nan") if i == 6 else subset_reward(o, subset)
         trajs.append(trajectory(f"t{i}", p, o, noisy, 0, reward, end_reason=end))
