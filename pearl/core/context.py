@@ -22,7 +22,13 @@ from pearl.core.profile import RuntimeProfile
 from pearl.core.roles import GpuSource
 from pearl.core.selection import Selection, select_pd
 from pearl.core.state import AllocationStatus, ClusterState, Gpu
-from pearl.core.transition_cost import estimate_transition_s, inventory
+from pearl.core.transition_cost import (
+    Inventory,
+    effective_completion_s,
+    estimate_transition_s,
+    inventory,
+    kept_gpu_share,
+)
 
 
 @dataclass
@@ -100,7 +106,6 @@ class DecisionContext:
         key = (budget, lending)
         if key not in self._selections:
             inv = inventory(self.state, (g.gpu_id for g in pool), lending)
-            costs = self.profile.costs
             self._selections[key] = select_pd(
                 self.prepared,
                 budget,
@@ -108,10 +113,18 @@ class DecisionContext:
                 extra=[self.current_config],
                 # The drain estimate needs the running configuration's prediction, which
                 # this call makes among its first batch: read it only when ranking.
-                transition_s=lambda c: estimate_transition_s(inv, c, costs, self.drain_estimate_s),
+                reach=lambda c, completion_s: self._reach(inv, c, completion_s),
                 known=self._predictions,
             )
         return self._selections[key]
+
+    def _reach(self, inv: Inventory, target: PDConfig, target_s: float) -> tuple[float, float]:
+        """(transition_s, effective completion) of moving to ``target`` from the running
+        configuration, whose engines the target keeps serve on meanwhile."""
+        transition_s = estimate_transition_s(inv, target, self.profile.costs, self.drain_estimate_s)
+        kept = kept_gpu_share(inv, target, self.current_config.num_gpus)
+        current_s = self.current_prediction.completion_s
+        return transition_s, effective_completion_s(transition_s, kept, target_s, current_s)
 
     @cached_property
     def drain_estimate_s(self) -> float:

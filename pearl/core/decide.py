@@ -5,7 +5,8 @@
     borrow   = borrowing rule (lend, keep, return, force a return)
     target   = best PD configuration for the resulting GPU pool
     plan     = incremental transition plan from the state to the target
-    verdict  = switching rule: is the plan worth it (always, when the pool changed)
+    verdict  = switching rule: is the plan worth it (always, when the pool changed);
+               no switch over a plan of no steps
 
 Pure: the clock arrives as ``now_s``; nothing is read or written. Deciding twice on the
 same inputs returns equal decisions, and a state that already matches the best target
@@ -14,6 +15,7 @@ gets an empty plan.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from pearl.core.config import PolicyConfig
@@ -79,6 +81,9 @@ def decide_pearl(
     verdict = lookup(SWITCH_RULES, cfg.switching.rule, "switching.rule")(
         switch_input, cfg.switching
     )
+    if verdict.switch and plan.empty:  # nothing to carry out: no switch to speak of
+        reason = f"nothing to change: {plan.reason}"
+        verdict = dataclasses.replace(verdict, switch=False, reason=reason)
     if not verdict.switch:
         plan = TransitionPlan(Target(current_config, lent), reason=verdict.reason)
     elif not plan.empty and target.config != current_config:

@@ -22,9 +22,12 @@ P, which the fluid predictor's prefill/decode balance makes it in practice (a te
 compares against exhaustive search); rounds are batches so the predictor can vectorise.
 
 Invariants: every returned configuration fits the budget (per type, instances pack onto
-the nodes); ``ranked`` is sorted by estimated transition time plus predicted completion
-time (the transition is 0 unless the caller supplies an estimate), best first; ties are
-broken by fewer GPUs, then by the configuration's order, so selection is deterministic.
+the nodes); ``ranked`` is sorted by effective completion, best first: the predicted
+completion when the caller supplies no ``reach``, else what ``reach`` makes of it (the
+transition, less what the engines it keeps serve meanwhile:
+``transition_cost.effective_completion_s``); ties are broken by the smaller predicted
+completion (the configuration that serves the next batch faster), then by fewer GPUs,
+then by the configuration's order, so selection is deterministic.
 """
 
 from __future__ import annotations
@@ -47,20 +50,20 @@ _REFINE_POINTS = 17  # per bracket and round, even
 _PAIRS_REFINED = 2
 
 
+Reach = Callable[[PDConfig, float], tuple[float, float]]
+"""(configuration, its predicted completion) -> (transition_s, effective completion_s)."""
+
+
 @dataclass(frozen=True)
 class Candidate:
     config: PDConfig
     prediction: Prediction
-    transition_s: float = 0.0  # estimated time to reach the configuration from now
+    transition_s: float  # estimated time until the configuration serves
+    effective_s: float  # completion from now, the transition included: what ranks
 
     @property
     def completion_s(self) -> float:
         return self.prediction.completion_s
-
-    @property
-    def effective_s(self) -> float:
-        """Transition plus predicted completion: what ranks candidates."""
-        return self.transition_s + self.prediction.completion_s
 
 
 @dataclass(frozen=True)
@@ -86,15 +89,16 @@ def select_pd(
     budget: GpuBudget,
     cfg: SelectionConfig,
     extra: Sequence[PDConfig] = (),
-    transition_s: Callable[[PDConfig], float] | None = None,
+    reach: Reach | None = None,
     known: dict[PDConfig, Prediction] | None = None,
 ) -> Selection:
     """The configuration with the smallest predicted completion time, and the runners-up.
 
     ``prepared``: the workload prepared once per decision (``predictor.prepare``), with
     its profile. ``extra`` configurations (e.g. the one running now) are ranked alongside
-    when they fit the budget. With ``transition_s``, candidates rank by transition plus
-    completion, so a target whose transition would eat its gain loses to a cheaper one.
+    when they fit the budget. With ``reach``, candidates rank by their completion with
+    the transition counted, so a target whose transition would eat its gain loses to a
+    cheaper one.
     ``known``: predictions of this workload made before (a prediction does not depend on
     the budget), read and extended.
     """
@@ -132,32 +136,36 @@ def select_pd(
         _search_splits(layouts, evaluate, first=[*fitting_extra, *colocated])
     if not evaluated:
         evaluate([PDConfig()])
-    candidates = _rank(evaluated, transition_s or (lambda _: 0.0), cfg.top_k)
+    candidates = _rank(evaluated, reach or _instantly, cfg.top_k)
     min_critical_s = min(p.breakdown.critical_path_s for p in evaluated.values())
     return Selection(candidates[0], candidates, len(evaluated), exhaustive, notes, min_critical_s)
 
 
-def _rank(
-    evaluated: dict[PDConfig, Prediction], cost: Callable[[PDConfig], float], top_k: int
-) -> tuple[Candidate, ...]:
-    """The ``top_k`` candidates by transition plus completion. Transitions are estimated in
-    order of completion, and no further once a completion alone exceeds the ``top_k``-th
-    best total (a transition is never negative, so no later candidate can enter)."""
-    by_completion = sorted(evaluated.items(), key=lambda kv: (kv[1].completion_s, kv[0]))
-    scored: list[Candidate] = []
-    for config, prediction in by_completion:
-        if len(scored) >= top_k:
-            kth_s = sorted(c.effective_s for c in scored)[top_k - 1]
-            if prediction.completion_s > kth_s:
-                break
-        finite = prediction.completion_s < math.inf
-        scored.append(Candidate(config, prediction, cost(config) if finite else 0.0))
-    scored.sort(key=lambda c: (c.effective_s, c.config.num_gpus, c.config))
+def _instantly(config: PDConfig, completion_s: float) -> tuple[float, float]:
+    return 0.0, completion_s
+
+
+def _rank(evaluated: dict[PDConfig, Prediction], reach: Reach, top_k: int) -> tuple[Candidate, ...]:
+    """The ``top_k`` candidates by effective completion (every one is estimated: with
+    engines kept through a transition, a slower target may still end sooner)."""
+    scored = []
+    for config, prediction in evaluated.items():
+        completion_s = prediction.completion_s
+        transition_s, effective_s = (
+            reach(config, completion_s) if completion_s < math.inf else (0.0, math.inf)
+        )
+        scored.append(Candidate(config, prediction, transition_s, effective_s))
+    # Equal effective times (the batch ends on the kept engines before an addition
+    # serves): the faster configuration, which serves the next batch; then fewer GPUs.
+    scored.sort(key=lambda c: (c.effective_s, c.completion_s, c.config.num_gpus, c.config))
     return tuple(scored[:top_k])
 
 
 def _times(c: Candidate) -> str:
-    return f"{c.transition_s:.1f} s transition + {c.completion_s:.1f} s predicted"
+    return (
+        f"{c.completion_s:.1f} s predicted, {c.transition_s:.1f} s transition, "
+        f"{c.effective_s:.1f} s with it"
+    )
 
 
 Evaluate = Callable[[Sequence[PDConfig]], list[float]]

@@ -11,6 +11,11 @@ when the transition lends its GPUs.
 It estimates the time until the target serves: surplus engines that only need to stop
 run off in the background and cost nothing here (the plan's makespan includes them).
 
+Plans are incremental: engines the target keeps in their role serve on through the
+transition. ``effective_completion_s`` credits them: a target that only adds engines
+(a grant, a lend) reaches the batch's end sooner by what the kept engines do meanwhile,
+where charging its whole start-up as a stall would never add a node to a busy fleet.
+
 Invariant: a target equal to the inventory's configuration costs 0. For the moves the
 planner makes without placement trouble (switches, wakes, starts on free or freed GPUs,
 lending), the estimate equals the planner's makespan (``tests/core/test_transition_cost``).
@@ -18,6 +23,7 @@ lending), the estimate equals the planner's makespan (``tests/core/test_transiti
 
 from __future__ import annotations
 
+import math
 from collections import Counter, defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -88,3 +94,37 @@ def estimate_transition_s(
             clear_s = drain_s + costs.stop_s if surplus else 0.0
             slowest_s = max(slowest_s, max(offload_s, clear_s) + costs.engine_cold_start_s)
     return slowest_s
+
+
+def kept_gpu_share(inv: Inventory, target: PDConfig, running_gpus: int) -> float:
+    """The share of the running configuration's GPUs (``running_gpus``) whose engines the
+    target keeps in their role: they serve on while the rest of the transition runs."""
+    if running_gpus <= 0:
+        return 0.0
+    kept_gpus = 0
+    want: defaultdict[GpuClass, dict[Role, int]] = defaultdict(dict)
+    for spec, n in target.instances:
+        want[(spec.gpu_type, spec.tp)][spec.role] = n
+    for cls, have in inv.active.items():
+        wanted = want.get(cls, {})
+        kept_gpus += cls[1] * sum(min(n, have[r]) for r, n in wanted.items())
+    return min(1.0, kept_gpus / running_gpus)
+
+
+def effective_completion_s(
+    transition_s: float, kept_share: float, target_s: float, current_s: float
+) -> float:
+    """Predicted completion when the transition takes ``transition_s`` and the engines
+    kept through it (``kept_share`` of the running configuration) serve meanwhile, as a
+    fluid: they do ``kept_share * transition_s / current_s`` of the remaining work, the
+    target the rest at its own pace (``target_s`` for all of it). Never more than
+    ``transition_s + target_s`` (nothing kept), never less than ``min(target_s,
+    current_s)``."""
+    if transition_s <= 0.0:
+        return target_s
+    if kept_share <= 0.0 or not math.isfinite(current_s) or current_s <= 0.0:
+        return transition_s + target_s
+    done = kept_share * transition_s / current_s
+    if done >= 1.0:  # the kept engines finish it before the target serves
+        return current_s / kept_share
+    return transition_s + (1.0 - done) * target_s

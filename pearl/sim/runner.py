@@ -18,7 +18,8 @@ Loop (each event returns its follow-ups; ties break by priority, then schedule o
 - a decision: the policy's ``decide()`` on the observed state. Decisions are taken at
   the start, every ``decision_interval_s``, and at once on any allocation event and any
   change of the trainer's phase; while a plan runs they wait for its end (one plan at a
-  time, as the coordinator executes them).
+  time, as the coordinator executes them). Causes at one time with nothing handled
+  between them get one decision.
 
 Engine calls never run past the next control event (a plan step, a Slurm event, the
 end of an update, a decision; ``horizon_s``), except for the one step a call always
@@ -164,6 +165,8 @@ class Simulation:
         self._effects: Follow = []  # follow-ups of the executor's calls of this world
         self.decide_after_plan = False
         self.next_decision_s = 0.0
+        self.handled = 0  # events handled other than decisions (see _on_decide)
+        self.decided_at: tuple[float, int] | None = None  # (time, handled) of the last one
         self.control_times: list[float] = []  # heap: see horizon_s
         self.lent_clock = GpuClock()
         self.max_wait_s = 0.0
@@ -218,6 +221,8 @@ class Simulation:
         return self._metrics()
 
     def _handle(self, event: SimEvent, now_s: float) -> Queued:
+        if type(event) is not Decide:
+            self.handled += 1
         out = self.handlers[type(event)](event, now_s)
         for time_s, ev in out:
             if ev.CONTROL:
@@ -516,6 +521,8 @@ class Simulation:
         out: Follow = []
         if ev.why == "tick" and now_s < self.next_decision_s:
             return []
+        if self.decided_at == (now_s, self.handled):  # several causes at one time:
+            return []  # nothing has happened since the decision they all asked for
         if self.executor.plan_running:
             self.decide_after_plan = True
             return []
@@ -534,6 +541,7 @@ class Simulation:
         cfg = self.policy.config(bootstrap=self.decisions == 0)
         decision = decide(self.state, obs, cfg, self.profile, now_s)
         self.decisions += 1
+        self.decided_at = (now_s, self.handled)
         self.state = decision.state
         self.log_state(now_s)
         self._note_prediction(now_s, obs.workload.num_unfinished, decision.predicted_s)

@@ -7,7 +7,7 @@ from pearl.bench.synth import Layout, build_state, build_workload, settle
 from pearl.core.apply import apply_plan
 from pearl.core.config import BorrowingConfig, PolicyConfig, SwitchingConfig
 from pearl.core.decide import decide
-from pearl.core.decision import BorrowKind
+from pearl.core.decision import BorrowKind, Decision
 from pearl.core.observation import (
     AllocationGranted,
     AllocationPreempting,
@@ -198,3 +198,51 @@ def test_a_pool_whose_only_engines_are_asleep_gets_engines(profile: RuntimeProfi
     assert d.switch.switch and d.switch.mandatory
     started = [s for s in d.plan.steps if s.action.value == "start"]
     assert started and all(s.node == "n1" for s in started)  # the rollout GPUs
+
+
+def _granted_on_a_settled_state(
+    profile: RuntimeProfile, num_trajectories: int
+) -> tuple[Observation, Decision]:
+    state = build_state(Layout(1, 1, 0))
+    state = settle(state, _obs(n=num_trajectories), PolicyConfig(), profile, 0.0)
+    grant = AllocationGranted(
+        allocation_id="99",
+        end_by_s=5000.0,
+        nodes=(GrantedNode(node="x1", gpu_type="h100", num_gpus=8),),
+    )
+    obs = _obs(n=num_trajectories, events=(grant,))
+    return obs, decide(state, obs, PolicyConfig(), profile, 10.0)
+
+
+def test_a_grant_serves_even_when_the_batch_ends_before_its_engines_start(
+    profile: RuntimeProfile,
+) -> None:
+    """Four trajectories left: the running engines end the batch before a cold start on
+    the granted node would, and an instant move would barely help. The node is still put
+    to work (it serves the batches after this one), not held idle while every decision
+    said the pool changed and planned nothing (the transition counted as a stall of the
+    whole fleet, before)."""
+    _, d = _granted_on_a_settled_state(profile, 4)
+    assert d.elastic.releases == ()
+    assert {s.action.value for s in d.plan.steps if s.node == "x1"} == {"start"}
+    assert d.switch.switch and d.switch.mandatory
+
+
+def test_a_grant_whose_gpus_gain_nothing_is_released_not_held_idle(
+    profile: RuntimeProfile,
+) -> None:
+    """Sixteen trajectories, latency-bound: with the node or without it the batch is
+    predicted to end at the same time, so it goes back to its owner at once."""
+    _, d = _granted_on_a_settled_state(profile, 16)
+    assert d.elastic.releases == ("99",)
+    assert "released 99" in d.elastic.reason
+    assert not [s for s in d.plan.steps if s.node == "x1"]
+    assert not d.switch.switch
+
+
+def test_no_switch_is_said_over_a_plan_of_no_steps(profile: RuntimeProfile) -> None:
+    cfg = PolicyConfig(switching=SwitchingConfig(rule="always"))
+    state = settle(build_state(Layout(1, 2, 1)), _obs(), cfg, profile, 10.0)
+    again = decide(state, _obs(), cfg, profile, 20.0)
+    assert again.plan.empty and not again.switch.switch
+    assert again.switch.reason.startswith("nothing to change")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import sim_fixtures as F
 
@@ -366,3 +368,20 @@ def test_the_trainer_goes_on_after_an_update_takes_a_complete_batch_back(
     assert not (ledger.batch_ready() and not sim.training)  # never ready and idle at the end
     steps = F.of_type(r.records, "train_step")
     assert len(steps) > 20 and steps[-1].t > 550.0
+
+
+@pytest.mark.parametrize(("policy", "rules"), CASES, ids=CASE_IDS)
+def test_decision_records_neither_repeat_nor_switch_over_empty_plans(
+    policy: str, rules: tuple[str, str, int]
+) -> None:
+    """Several causes at one time (grants, a window's end, the trainer's phase) get one
+    decision, and a decision that plans no step does not say it switches."""
+    decisions = F.of_type(F.busy_run(policy, 0, rules).records, "decision")
+    assert decisions
+    same = [
+        a.t
+        for a, b in itertools.pairwise(decisions)
+        if a.model_dump(exclude={"decide_s"}) == b.model_dump(exclude={"decide_s"})
+    ]
+    assert same == []
+    assert [d.t for d in decisions if d.switch and d.num_steps == 0] == []

@@ -3,7 +3,10 @@
 ``marginal-gain`` (the default):
 - a granted allocation is used when its remaining window (its end time, or the expected
   window of a grant without one) is at least ``min_window_factor`` cold starts, or when
-  engines already run on it; otherwise it is released at once;
+  engines already run on it; otherwise it is released at once. One that hosts nothing yet
+  is released too when the best configuration with it is no better than the best
+  without it (same completion, with and without the transition): held, it would sit idle
+  while every decision said the pool changed;
 - a preempting allocation leaves the pool: the planner moves its engines off within the
   grace period;
 - while fewer than ``max_allocations`` are pending or held, it requests more when the
@@ -17,10 +20,12 @@ Invariant: never more requests than the room under ``max_allocations``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Iterable
 
 from pearl.core.context import DecisionContext
 from pearl.core.decision import ElasticAction, ElasticRequest
+from pearl.core.selection import Candidate
 from pearl.core.state import Allocation, AllocationKind, AllocationStatus
 
 ElasticRule = Callable[[DecisionContext], ElasticAction]
@@ -29,6 +34,14 @@ _LIVE = (AllocationStatus.PENDING, AllocationStatus.GRANTED, AllocationStatus.PR
 
 
 def marginal_gain_rule(ctx: DecisionContext) -> ElasticAction:
+    action, idle = _marginal_gain(ctx)
+    if not idle:
+        return action
+    why = f"released {', '.join(idle)}: no gain from their GPUs; {action.reason}"
+    return dataclasses.replace(action, reason=why)
+
+
+def _marginal_gain(ctx: DecisionContext) -> tuple[ElasticAction, tuple[str, ...]]:
     cfg = ctx.cfg.elastic
     elastic = [a for a in ctx.state.allocations if a.kind is AllocationKind.ELASTIC]
     hosting = {
@@ -40,25 +53,27 @@ def marginal_gain_rule(ctx: DecisionContext) -> ElasticAction:
     unused = tuple(
         a.allocation_id for a in elastic if a.allocation_id not in hosting and _too_short(ctx, a)
     )
+    lent = ctx.lent_gpu_ids() | set(ctx.state.borrow.gpu_ids if ctx.state.borrow else ())
+    idle = _gaining_nothing(ctx, elastic, hosting, lent, unused)
+    unused += idle
     live = [a for a in elastic if a.status in _LIVE and a.allocation_id not in unused]
     room = cfg.max_allocations - len(live)
     if room <= 0 or ctx.obs.workload.num_unfinished == 0 or cfg.gpu_type not in ctx.profile.gpus:
         why = "at the allocation cap" if room <= 0 else "nothing to gain"
-        return ElasticAction(releases=unused, reason=why)
-    lent = ctx.lent_gpu_ids() | set(ctx.state.borrow.gpu_ids if ctx.state.borrow else ())
+        return ElasticAction(releases=unused, reason=why), idle
     pool = ctx.rollout_gpus(lent, unused)
     now = ctx.select(pool).best.effective_s
     extra_nodes = [(cfg.gpu_type, cfg.gpus_per_allocation)] * room
     more = ctx.select(pool, extra_nodes=extra_nodes).best.effective_s
     if now == float("inf") or more == float("inf"):
-        return ElasticAction(releases=unused, reason="no feasible prediction")
+        return ElasticAction(releases=unused, reason="no feasible prediction"), idle
     gain_per_gpu_s = (now - more) / (room * cfg.gpus_per_allocation)
     if gain_per_gpu_s <= cfg.min_gain_s_per_gpu:
         return ElasticAction(
             releases=unused,
             gain_s_per_gpu=gain_per_gpu_s,
             reason=f"{gain_per_gpu_s:.2f} s per GPU is not worth a request",
-        )
+        ), idle
     request = ElasticRequest(
         cfg.gpus_per_allocation, cfg.gpu_type, cfg.partition, cfg.time_limit_min
     )
@@ -68,7 +83,36 @@ def marginal_gain_rule(ctx: DecisionContext) -> ElasticAction:
         gain_s_per_gpu=gain_per_gpu_s,
         reason=f"request {room} x {cfg.gpus_per_allocation} {cfg.gpu_type}: "
         f"{gain_per_gpu_s:.2f} s saved per GPU",
-    )
+    ), idle
+
+
+def _gaining_nothing(
+    ctx: DecisionContext,
+    elastic: list[Allocation],
+    hosting: set[str],
+    lent: Iterable[str],
+    released: tuple[str, ...],
+) -> tuple[str, ...]:
+    """Granted allocations that host nothing and whose GPUs the best configuration gains
+    nothing from: no better with them than without, by the selection's own ranking."""
+    idle: tuple[str, ...] = ()
+    for a in elastic:
+        if a.status is not AllocationStatus.GRANTED or a.allocation_id in hosting:
+            continue
+        if a.allocation_id in released:
+            continue
+        with_it = ctx.select(ctx.rollout_gpus(lent, (*released, *idle))).best
+        without = ctx.select(ctx.rollout_gpus(lent, (*released, *idle, a.allocation_id))).best
+        if (with_it.effective_s, with_it.completion_s) >= (
+            without.effective_s,
+            without.completion_s,
+        ):
+            idle += (a.allocation_id,)
+    return idle
+
+
+def _rank_key(c: Candidate) -> tuple[float, float]:
+    return c.effective_s, c.completion_s
 
 
 def _too_short(ctx: DecisionContext, a: Allocation) -> bool:
