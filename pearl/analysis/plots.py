@@ -1,10 +1,11 @@
 """The report's figures: PNG files drawn with matplotlib's Agg canvas (headless).
 
-Matplotlib is imported here and nowhere else in ``analysis`` (it is the ``analysis``
-extra); figures are plain ``Figure`` objects on an Agg canvas, never ``pyplot``'s global
-state, so drawing needs no display and leaks no figures. Every
-function draws one figure of one run (or of several runs, ``compare_*``) into ``path``
-and returns it; a run without the records a figure needs gets a figure that says so.
+Matplotlib is imported here and in ``sweep_plots`` (``pearl sweep``'s figure), nowhere
+else in ``analysis`` (it is the ``analysis`` extra); figures are plain ``Figure``
+objects on an Agg canvas, never ``pyplot``'s global state, so drawing needs no display
+and leaks no figures. Every function draws one figure of one run (or of several runs,
+``compare_*``) into ``path`` and returns it; a run without the records a figure needs
+gets a figure that says so.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def _rebinned(run: RunAnalysis) -> tuple[list[float], float, list[int], list[int
     )
 
 
-def _save(fig: Figure, path: Path) -> Path:
+def save(fig: Figure, path: Path) -> Path:
     FigureCanvasAgg(fig)  # the Agg canvas: no display, no pyplot state
     fig.savefig(path, dpi=DPI)
     return path
@@ -137,7 +138,7 @@ def _gpu_gantt(segments: list[Segment], run: RunAnalysis, path: Path) -> Path:
     ax.legend(handles=handles, loc="upper right", fontsize=7, ncol=3)
     ax.set_title(f"{run.log.name}: GPU roles (pale: starting/switching/draining)")
     fig.tight_layout()
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def _control_gantt(run: RunAnalysis, path: Path) -> Path:
@@ -192,7 +193,7 @@ def _control_gantt(run: RunAnalysis, path: Path) -> Path:
         ax.legend(handles=handles, loc="upper right", fontsize=7)
     ax.set_title(f"{run.log.name}: borrowed and elastic GPUs (the log has no GPU records)")
     fig.tight_layout()
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def throughput(run: RunAnalysis, path: Path) -> Path:
@@ -215,7 +216,7 @@ def throughput(run: RunAnalysis, path: Path) -> Path:
     a3.set_xlim(0, max(run.end_t, 1e-9))
     a1.set_title(f"{run.log.name}: rollout throughput and training (shaded: updates)")
     fig.tight_layout()
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def pd_modes(run: RunAnalysis, path: Path) -> Path:
@@ -245,7 +246,7 @@ def pd_modes(run: RunAnalysis, path: Path) -> Path:
         ax.legend(loc="upper right", fontsize=8)
     ax.set_title(f"{run.log.name}: PD configuration (grey: transitions, decision to last step)")
     fig.tight_layout()
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def batches(run: RunAnalysis, path: Path) -> Path:
@@ -277,7 +278,7 @@ def batches(run: RunAnalysis, path: Path) -> Path:
             _empty(a2, "no batch had a prediction")
     fig.suptitle(f"{run.log.name}: batch completion, predicted against actual")
     fig.tight_layout()
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def _held_series(intervals: list[tuple[float, float, int]]) -> tuple[list[float], list[int]]:
@@ -330,7 +331,7 @@ def borrow_elastic(run: RunAnalysis, path: Path) -> Path:
     a2.set_xlabel("run time (s)")
     a2.set_xlim(0, max(end_t, 1e-9))
     fig.tight_layout()
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def compare_throughput(runs: Sequence[RunAnalysis], path: Path) -> Path:
@@ -353,7 +354,7 @@ def compare_throughput(runs: Sequence[RunAnalysis], path: Path) -> Path:
     a2.set_xlabel("run time (s)")
     a1.set_title("runs compared")
     fig.tight_layout()
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def compare_gpu_hours(
@@ -375,4 +376,4 @@ def compare_gpu_hours(
         ax.set_xticks(xs)
         ax.set_xticklabels(names, rotation=30, ha="right", fontsize=7)
     fig.tight_layout()
-    return _save(fig, path)
+    return save(fig, path)

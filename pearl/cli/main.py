@@ -17,6 +17,7 @@ from pearl.cli import (
     profile,
     run,
     simulate,
+    sweep,
     trainer,
 )
 from pearl.cli.errors import run_command
@@ -33,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_parser(sub)
     bench.add_parser(sub)
     simulate.add_parser(sub)
+    sweep.add_parser(sub)
     coordinator.add_parser(sub)
     agent.add_parser(sub)
     analyze.add_parser(sub)

@@ -13,12 +13,14 @@ import json
 import math
 import sys
 import time
+from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 from pearl.cli.flags import integer, positive_seconds
 from pearl.core.limits import MAX_SEEDS
+from pearl.core.profile import RuntimeProfile
 from pearl.io.documents import InputError
 from pearl.io.scenarios import load_scenario_and_profile
 from pearl.io.simulation import run_inputs
@@ -28,7 +30,8 @@ from pearl.sim.metrics import RunMetrics
 from pearl.sim.oracle import OracleBound, oracle_bound
 from pearl.sim.report import compare, runs_needed, table
 from pearl.sim.rollout import trajectory_stream
-from pearl.sim.runner import simulate, trajectory_rng
+from pearl.sim.runner import RunInputs, simulate, trajectory_rng
+from pearl.sim.scenario import Scenario
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -94,18 +97,19 @@ def run(args: argparse.Namespace) -> int:
     runs: dict[str, list[RunMetrics]] = {n: [] for n in names}
     oracle: list[OracleBound] = []
     for seed in range(seeds):
-        inputs = run_inputs(scenario, profile, seed)
-        stream = trajectory_stream(
-            inputs.trajectory_model, trajectory_rng(seed), scenario.rollout.max_context_tokens
-        )
-        oracle.append(oracle_bound(scenario, profile, inputs.windows, stream))
-        for name in names:
+
+        def logged(name: str, inputs: RunInputs, seed: int = seed) -> RunMetrics:
             policy = make_policy(name, scenario.policy, scenario.cluster.trainer.nodes)
             label = f"{name} seed {seed}"
             with RunLogWriter(out / name / f"seed{seed}.jsonl", truncate=True) as log:
                 metrics = simulate(inputs, policy, log.write, partial(progress.show, label))
-            runs[name].append(metrics)
             progress.finish_run()
+            return metrics
+
+        metrics, bound = run_seed(scenario, profile, seed, names, logged)
+        for name in names:
+            runs[name].append(metrics[name])
+        oracle.append(bound)
     comparison = compare(policies, runs, oracle, scenario.duration_s)
     result: dict[str, Any] = {
         "scenario": scenario.name,
@@ -119,16 +123,39 @@ def run(args: argparse.Namespace) -> int:
         "oracle": [o.__dict__ for o in oracle],
     }
     out.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(_finite(summary), indent=2, allow_nan=False)
+    text = json.dumps(finite_json(summary), indent=2, allow_nan=False)
     (out / "summary.json").write_text(text + "\n", encoding="utf-8")
     if args.json:
-        print(json.dumps(_finite(result), allow_nan=False))
+        print(json.dumps(finite_json(result), allow_nan=False))
     else:
         hours = scenario.duration_s / 3600
         print(f"{scenario.name}: {hours:.2f} h simulated, {seeds} seeds, mean over seeds")
         print(table(comparison))
         print(f"logs and summary.json in {out}")
     return 0
+
+
+def run_seed(
+    scenario: Scenario,
+    profile: RuntimeProfile,
+    seed: int,
+    names: Sequence[str],
+    run_one: Callable[[str, RunInputs], RunMetrics] | None = None,
+) -> tuple[dict[str, RunMetrics], OracleBound]:
+    """Every named policy's run of one seed (``run_one``: how a run is made; by default
+    without a log) and the oracle's bound on that seed's trajectories."""
+    inputs = run_inputs(scenario, profile, seed)
+    stream = trajectory_stream(
+        inputs.trajectory_model, trajectory_rng(seed), scenario.rollout.max_context_tokens
+    )
+    bound = oracle_bound(scenario, profile, inputs.windows, stream)
+    if run_one is None:
+
+        def run_one(name: str, inputs: RunInputs) -> RunMetrics:
+            policy = make_policy(name, scenario.policy, scenario.cluster.trainer.nodes)
+            return simulate(inputs, policy)
+
+    return {name: run_one(name, inputs) for name in names}, bound
 
 
 def _run_entry(m: RunMetrics) -> dict[str, Any]:
@@ -143,12 +170,12 @@ def _run_entry(m: RunMetrics) -> dict[str, Any]:
     return entry
 
 
-def _finite(value: Any) -> Any:
+def finite_json(value: Any) -> Any:
     """JSON has no NaN: a figure with no data (no batch completed) is null."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
+        return {k: finite_json(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_finite(v) for v in value]
+        return [finite_json(v) for v in value]
     return value

@@ -23,6 +23,7 @@ MAX_TOKENS = 16_000_000  # tokens of one context (the longest models: ~1M-10M)
 MAX_TURNS = 100_000  # turns of one trajectory
 MAX_SECONDS = 366 * 86_400  # a time in a run, or a duration: a year (runs last days)
 MAX_SEEDS = 1_000  # simulator runs per policy
+MAX_SWEEP_POINTS = 10_000  # grid points of one ``pearl sweep`` (each runs every policy and seed)
 MAX_QUANTITY = 1e15  # any other non-negative number (rates, costs, sizes, versions)
 MAX_ID_CHARS = 256  # an id or a name (Slurm job ids, host names, GPU ids)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from pearl.core.profile import RuntimeProfile
 from pearl.io.documents import (
@@ -31,8 +32,14 @@ def load_scenario(path: str | Path) -> Scenario:
 
 def load_scenario_and_profile(path: str | Path) -> tuple[Scenario, RuntimeProfile]:
     """The validated scenario at ``path`` and the runtime profile it names."""
+    return scenario_of_document(read_document(path), path)
+
+
+def scenario_of_document(doc: Any, path: str | Path) -> tuple[Scenario, RuntimeProfile]:
+    """``doc`` validated as the scenario file at ``path`` would be (a variant of it:
+    ``pearl sweep``), with the runtime profile it names."""
     p = Path(path)
-    scenario = parse(Scenario, read_document(p), p)
+    scenario = parse(Scenario, doc, p)
     check_policy_names(scenario.policy, p, "policy")
     profile = load_profile(scenario.profile, relative_to=p.parent, named_in=p)
     known = ", ".join(sorted(profile.gpus))
