@@ -90,8 +90,13 @@ class ElasticConfig(Frozen):
     min_window_factor: Annotated[float, Field(ge=1.0, le=1e6)] = Field(
         3.0, description="Use a grant only if its remaining window is this many cold starts."
     )
+    # 0.05 s: elastic GPUs are other tenants' idle capacity, granted preemptibly at no
+    # price, so a node is worth taking whenever its predicted gain is above noise (1/4,000
+    # of a ~200 s batch per GPU); the cold start is already in the prediction. The old
+    # default of 1.0 s suited GPUs that cost money and declined most grants of the
+    # shipped scenarios, which overrode it (issue 18: one default for every scenario).
     min_gain_s_per_gpu: NonNegFloat = Field(
-        1.0, description="Request more only if the predicted time saved per GPU beats this."
+        0.05, description="Request more only if the predicted time saved per GPU beats this."
     )
 
 
