@@ -113,18 +113,10 @@ class DecisionContext:
                 extra=[self.current_config],
                 # The drain estimate needs the running configuration's prediction, which
                 # this call makes among its first batch: read it only when ranking.
-                reach=lambda c, completion_s: self._reach(inv, c, completion_s),
+                reach=_Reaching(self, inv),
                 known=self._predictions,
             )
         return self._selections[key]
-
-    def _reach(self, inv: Inventory, target: PDConfig, target_s: float) -> tuple[float, float]:
-        """(transition_s, effective completion) of moving to ``target`` from the running
-        configuration, whose engines the target keeps serve on meanwhile."""
-        transition_s = estimate_transition_s(inv, target, self.profile.costs, self.drain_estimate_s)
-        kept = kept_gpu_share(inv, target, self.current_config.num_gpus)
-        current_s = self.current_prediction.completion_s
-        return transition_s, effective_completion_s(transition_s, kept, target_s, current_s)
 
     @cached_property
     def drain_estimate_s(self) -> float:
@@ -144,3 +136,26 @@ class DecisionContext:
             default=0.0,
         )
         return stats.output_tokens_per_turn * step_s
+
+
+@dataclass(frozen=True)
+class _Reaching:
+    """``selection.Reach`` from the running configuration: the transition estimated on
+    the pool's inventory, the engines the target keeps serving on meanwhile."""
+
+    ctx: DecisionContext
+    inv: Inventory
+
+    def __call__(self, config: PDConfig, completion_s: float) -> tuple[float, float]:
+        ctx = self.ctx
+        transition_s = estimate_transition_s(
+            self.inv, config, ctx.profile.costs, ctx.drain_estimate_s
+        )
+        kept = kept_gpu_share(self.inv, config, ctx.current_config.num_gpus)
+        current_s = ctx.current_prediction.completion_s
+        return transition_s, effective_completion_s(transition_s, kept, completion_s, current_s)
+
+    @property
+    def floor_s(self) -> float:
+        """``effective_completion_s`` is never below min(target_s, current_s)."""
+        return self.ctx.current_prediction.completion_s

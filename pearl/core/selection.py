@@ -37,6 +37,7 @@ import math
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from pearl.core.config import SelectionConfig
 from pearl.core.pd import GpuBudget, InstanceSpec, PDConfig, fits_budget
@@ -50,8 +51,24 @@ _REFINE_POINTS = 17  # per bracket and round, even
 _PAIRS_REFINED = 2
 
 
-Reach = Callable[[PDConfig, float], tuple[float, float]]
-"""(configuration, its predicted completion) -> (transition_s, effective completion_s)."""
+class Reach(Protocol):
+    """How reaching a configuration counts: ``reach(config, completion_s)`` is its
+    (transition_s, effective completion_s); no candidate's effective completion is below
+    the smaller of its own completion and ``floor_s`` (read once predictions are made)."""
+
+    def __call__(self, config: PDConfig, completion_s: float) -> tuple[float, float]: ...
+
+    @property
+    def floor_s(self) -> float: ...
+
+
+class _Instantly:
+    """No transition: the effective completion is the predicted one."""
+
+    floor_s = math.inf
+
+    def __call__(self, config: PDConfig, completion_s: float) -> tuple[float, float]:
+        return 0.0, completion_s
 
 
 @dataclass(frozen=True)
@@ -136,21 +153,25 @@ def select_pd(
         _search_splits(layouts, evaluate, first=[*fitting_extra, *colocated])
     if not evaluated:
         evaluate([PDConfig()])
-    candidates = _rank(evaluated, reach or _instantly, cfg.top_k)
+    candidates = _rank(evaluated, reach or _Instantly(), cfg.top_k)
     min_critical_s = min(p.breakdown.critical_path_s for p in evaluated.values())
     return Selection(candidates[0], candidates, len(evaluated), exhaustive, notes, min_critical_s)
 
 
-def _instantly(config: PDConfig, completion_s: float) -> tuple[float, float]:
-    return 0.0, completion_s
-
-
 def _rank(evaluated: dict[PDConfig, Prediction], reach: Reach, top_k: int) -> tuple[Candidate, ...]:
-    """The ``top_k`` candidates by effective completion (every one is estimated: with
-    engines kept through a transition, a slower target may still end sooner)."""
-    scored = []
-    for config, prediction in evaluated.items():
+    """The ``top_k`` candidates by effective completion. They are reached in order of
+    completion, and no further once the smaller of a completion and ``reach.floor_s``
+    exceeds the ``top_k``-th best effective time: no later candidate can enter."""
+    by_completion = sorted(evaluated.items(), key=lambda kv: (kv[1].completion_s, kv[0]))
+    scored: list[Candidate] = []
+    floor_s: float | None = None
+    for config, prediction in by_completion:
         completion_s = prediction.completion_s
+        if len(scored) >= top_k:
+            kth_s = sorted(c.effective_s for c in scored)[top_k - 1]
+            floor_s = reach.floor_s if floor_s is None else floor_s
+            if min(completion_s, floor_s) > kth_s:
+                break
         transition_s, effective_s = (
             reach(config, completion_s) if completion_s < math.inf else (0.0, math.inf)
         )

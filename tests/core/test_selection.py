@@ -1,15 +1,18 @@
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
 from pearl.bench.synth import build_workload
 from pearl.core.config import SelectionConfig
-from pearl.core.pd import GpuBudget, PDMode, fits
+from pearl.core.pd import GpuBudget, PDConfig, PDMode, fits
 from pearl.core.predictor import prepare
 from pearl.core.profile import RuntimeProfile
 from pearl.core.roles import Role
 from pearl.core.selection import prefill_advantage, select_pd
+from pearl.core.transition_cost import effective_completion_s
 from pearl.core.workload import WorkloadSnapshot
 from pearl.io.documents import load_profile
 
@@ -121,3 +124,30 @@ def test_unknown_gpu_type_is_noted_not_used(qwen8b: RuntimeProfile) -> None:
 def test_empty_budget_gives_an_infeasible_best(qwen8b: RuntimeProfile) -> None:
     sel = select_pd(prepare(_workload(16), qwen8b), GpuBudget.of({}), SelectionConfig())
     assert sel.best.completion_s == float("inf")
+
+
+class _Scrambled:
+    """A reach whose transitions are arbitrary (from the configuration's hash) but which
+    keeps the promise of ``floor_s``: effective times never below min(completion, floor)."""
+
+    def __init__(self, floor_s: float) -> None:
+        self.floor_s = floor_s
+
+    def __call__(self, config: PDConfig, completion_s: float) -> tuple[float, float]:
+        transition_s = float(hash(config) % 97)
+        kept = (hash(config) % 5) / 4
+        return transition_s, effective_completion_s(transition_s, kept, completion_s, self.floor_s)
+
+
+@pytest.mark.parametrize("floor_s", [1.0, 30.0, 80.0, math.inf])
+def test_the_pruned_ranking_is_the_head_of_the_full_one(
+    qwen8b: RuntimeProfile, floor_s: float
+) -> None:
+    """Candidates are reached in order of completion and the search stops once none can
+    enter the top k; what it returns is the head of ranking every one."""
+    budget = GpuBudget.of({"h100": [8] * 6})
+    prepared = prepare(_workload(256), qwen8b)
+    full = select_pd(prepared, budget, SelectionConfig(top_k=1_000), reach=_Scrambled(floor_s))
+    for k in (1, 3, 8):
+        head = select_pd(prepared, budget, SelectionConfig(top_k=k), reach=_Scrambled(floor_s))
+        assert head.ranked == full.ranked[:k]
