@@ -59,10 +59,10 @@ class DecisionContext:
 
     def trainer_gpu_ids(self) -> tuple[str, ...]:
         """The base-train GPUs, in the order of the state."""
-        return tuple(g.gpu_id for g in self.state.gpus if g.source is GpuSource.BASE_TRAIN)
+        return self.state.base_train_gpu_ids
 
     def lent_gpu_ids(self) -> frozenset[str]:
-        return frozenset(g.gpu_id for g in self.state.gpus if g.lent)
+        return self.state.lent_gpu_ids
 
     def rollout_gpus(
         self, lent: Iterable[str], excluded_allocations: Iterable[str] = ()
@@ -71,15 +71,16 @@ class DecisionContext:
         lent_ids = set(lent)
         excluded = set(excluded_allocations)
         allocations = self.state.allocation_by_id
-        pool = []
-        for g in self.state.gpus:
-            status = allocations[g.allocation_id].status
-            if g.source is GpuSource.BASE_TRAIN:
-                usable = g.gpu_id in lent_ids
-            else:
-                usable = status is AllocationStatus.GRANTED and g.allocation_id not in excluded
-            if usable:
-                pool.append(g)
+        pool: list[Gpu] = []
+        for (allocation_id, source), gpus in self.state.gpu_groups.items():
+            if source is GpuSource.BASE_TRAIN:
+                if lent_ids:
+                    pool.extend(g for g in gpus if g.gpu_id in lent_ids)
+            elif (
+                allocations[allocation_id].status is AllocationStatus.GRANTED
+                and allocation_id not in excluded
+            ):
+                pool.extend(gpus)
         return pool
 
     def budget(self, gpus: Iterable[Gpu], extra_nodes: Iterable[tuple[str, int]] = ()) -> GpuBudget:

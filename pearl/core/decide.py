@@ -29,7 +29,6 @@ from pearl.core.policies.elastic import ELASTIC_RULES
 from pearl.core.policies.switching import SWITCH_RULES, SwitchInput
 from pearl.core.profile import RuntimeProfile
 from pearl.core.registry import check_names, lookup
-from pearl.core.roles import WorkerKind
 from pearl.core.state import AllocationKind, AllocationStatus, BorrowWindow, ClusterState, Gpu
 
 Policy = Callable[[ClusterState, Observation, PolicyConfig, RuntimeProfile, float], Decision]
@@ -145,16 +144,15 @@ def _pool_changed(
     a pool that has GPUs, or only asleep ones (a run's start: nothing serves, so the
     running configuration's predicted completion is infinite and no margin could ever be
     met)."""
-    in_pool = {g.gpu_id for g in pool}
-    if pool and not any(w.kind is WorkerKind.ENGINE and w.active for w in state.workers):
+    if pool and not state.active_engines:
         return True
-    for w in state.workers:
-        if w.kind is WorkerKind.ENGINE and w.active and not in_pool.issuperset(w.gpu_ids):
-            return True
+    in_pool = {g.gpu_id for g in pool}
+    if any(not in_pool.issuperset(w.gpu_ids) for w in state.active_engines):
+        return True
     if lending_changes:
         return True
-    hosted = {gid for w in state.workers if w.live for gid in w.gpu_ids}
-    hosting = {g.allocation_id for g in pool if g.gpu_id in hosted}
+    # a granted elastic allocation that is not released is in the pool whole
+    hosting = state.allocations_hosting_live
     return any(
         a.kind is AllocationKind.ELASTIC
         and a.status is AllocationStatus.GRANTED

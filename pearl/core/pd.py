@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 
-from pearl.core.roles import INFERENCE_ROLES, Phase, Role, WorkerKind
+from pearl.core.roles import Role
 from pearl.core.state import ClusterState
 
 
@@ -142,10 +142,5 @@ def config_of(state: ClusterState) -> PDConfig:
 
     Draining and stopping engines are on their way out of their role and do not count.
     """
-    counts: Counter[InstanceSpec] = Counter()
-    for w in state.workers:
-        leaving = w.phase in (Phase.DRAINING, Phase.STOPPING)
-        if w.kind is WorkerKind.ENGINE and w.live and not leaving and w.role in INFERENCE_ROLES:
-            gpu_type = state.gpu_by_id[w.gpu_ids[0]].gpu_type
-            counts[InstanceSpec(w.role, gpu_type, w.tp)] += 1
-    return PDConfig.of(counts)
+    counts = state.serving_engine_counts
+    return PDConfig.of({InstanceSpec(r, t, tp): n for (r, t, tp), n in counts.items()})

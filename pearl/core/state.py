@@ -31,6 +31,7 @@ from pearl.core.limits import (
     SecondsOrNever,
 )
 from pearl.core.roles import (
+    INFERENCE_ROLES,
     LIVE_PHASES,
     GpuSource,
     Phase,
@@ -172,6 +173,61 @@ class ClusterState(Frozen):
     @cached_property
     def allocation_by_id(self) -> dict[str, Allocation]:
         return {a.allocation_id: a for a in self.allocations}
+
+    @cached_property
+    def gpu_groups(self) -> dict[tuple[str, GpuSource], tuple[Gpu, ...]]:
+        """The GPUs by (allocation, source), each group in the order of the state: the
+        units the rollout pool is made of (a decision reads it many times)."""
+        groups: dict[tuple[str, GpuSource], list[Gpu]] = {}
+        for g in self.gpus:
+            groups.setdefault((g.allocation_id, g.source), []).append(g)
+        return {key: tuple(gpus) for key, gpus in groups.items()}
+
+    @cached_property
+    def base_train_gpu_ids(self) -> tuple[str, ...]:
+        """The trainer's GPUs, in the order of the state."""
+        return tuple(g.gpu_id for g in self.gpus if g.source is GpuSource.BASE_TRAIN)
+
+    @cached_property
+    def lent_gpu_ids(self) -> frozenset[str]:
+        return frozenset(g.gpu_id for g in self.gpus if g.lent)
+
+    @cached_property
+    def active_engines(self) -> tuple[Worker, ...]:
+        return tuple(w for w in self.workers if w.kind is WorkerKind.ENGINE and w.active)
+
+    @cached_property
+    def allocations_hosting_active(self) -> frozenset[str]:
+        """Allocations with an active worker on one of their GPUs."""
+        return frozenset(
+            self.gpu_by_id[gid].allocation_id for w in self.workers if w.active for gid in w.gpu_ids
+        )
+
+    @cached_property
+    def allocations_hosting_live(self) -> frozenset[str]:
+        """Allocations with a live worker (asleep ones too) on one of their GPUs."""
+        return frozenset(
+            self.gpu_by_id[gid].allocation_id for w in self.workers if w.live for gid in w.gpu_ids
+        )
+
+    @cached_property
+    def live_engines(self) -> tuple[tuple[Worker, str], ...]:
+        """Every live engine with its GPU type."""
+        return tuple(
+            (w, self.gpu_by_id[w.gpu_ids[0]].gpu_type)
+            for w in self.workers
+            if w.kind is WorkerKind.ENGINE and w.live
+        )
+
+    @cached_property
+    def serving_engine_counts(self) -> dict[tuple[Role, str, int], int]:
+        """(role, GPU type, TP) -> how many live engines serve or are becoming that role
+        (draining and stopping ones are leaving it): ``pd.config_of``'s counts."""
+        counts: Counter[tuple[Role, str, int]] = Counter()
+        for w, gpu_type in self.live_engines:
+            if w.role in INFERENCE_ROLES and w.phase not in (Phase.DRAINING, Phase.STOPPING):
+                counts[(w.role, gpu_type, w.tp)] += 1
+        return dict(counts)
 
     def live_workers(self) -> tuple[Worker, ...]:
         return tuple(w for w in self.workers if w.live)

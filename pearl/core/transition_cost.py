@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from pearl.core.pd import PDConfig
 from pearl.core.profile import TransitionCosts
-from pearl.core.roles import INFERENCE_ROLES, Phase, Role, WorkerKind
+from pearl.core.roles import INFERENCE_ROLES, Phase, Role
 from pearl.core.state import ClusterState
 
 GpuClass = tuple[str, int]  # (gpu_type, tp)
@@ -51,10 +51,10 @@ def inventory(state: ClusterState, pool_gpu_ids: Iterable[str], lending: bool) -
     active: defaultdict[GpuClass, Counter[Role]] = defaultdict(Counter)
     asleep: Counter[GpuClass] = Counter()
     stale: set[GpuClass] = set()
-    for w in state.workers:
-        if w.kind is not WorkerKind.ENGINE or not w.live or not pool.issuperset(w.gpu_ids):
+    for w, gpu_type in state.live_engines:
+        if not pool.issuperset(w.gpu_ids):
             continue
-        cls = (state.gpu_by_id[w.gpu_ids[0]].gpu_type, w.tp)
+        cls = (gpu_type, w.tp)
         if w.role in INFERENCE_ROLES and w.phase not in (Phase.DRAINING, Phase.STOPPING):
             active[cls][w.role] += 1
         elif w.role is Role.IDLE:

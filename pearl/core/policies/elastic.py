@@ -44,12 +44,7 @@ def marginal_gain_rule(ctx: DecisionContext) -> ElasticAction:
 def _marginal_gain(ctx: DecisionContext) -> tuple[ElasticAction, tuple[str, ...]]:
     cfg = ctx.cfg.elastic
     elastic = [a for a in ctx.state.allocations if a.kind is AllocationKind.ELASTIC]
-    hosting = {
-        ctx.state.gpu_by_id[gid].allocation_id
-        for w in ctx.state.workers
-        if w.active
-        for gid in w.gpu_ids
-    }
+    hosting = ctx.state.allocations_hosting_active
     unused = tuple(
         a.allocation_id for a in elastic if a.allocation_id not in hosting and _too_short(ctx, a)
     )
@@ -89,7 +84,7 @@ def _marginal_gain(ctx: DecisionContext) -> tuple[ElasticAction, tuple[str, ...]
 def _gaining_nothing(
     ctx: DecisionContext,
     elastic: list[Allocation],
-    hosting: set[str],
+    hosting: frozenset[str],
     lent: Iterable[str],
     released: tuple[str, ...],
 ) -> tuple[str, ...]:
