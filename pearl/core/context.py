@@ -9,24 +9,25 @@ without repeating the work.
 from __future__ import annotations
 
 import math
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, partial
 
 from pearl.core.config import PolicyConfig
 from pearl.core.observation import Observation
 from pearl.core.pd import GpuBudget, PDConfig, config_of
+from pearl.core.pool import Pool, node_counts, rollout_pool
 from pearl.core.predictor import Prediction, PreparedWorkload, predict_prepared, prepare
 from pearl.core.profile import RuntimeProfile
-from pearl.core.roles import GpuSource
 from pearl.core.selection import Selection, select_pd
-from pearl.core.state import AllocationStatus, ClusterState, Gpu
+from pearl.core.state import ClusterState, Gpu
 from pearl.core.transition_cost import (
     Inventory,
     effective_completion_s,
     estimate_transition_s,
     inventory,
+    inventory_where,
     kept_gpu_share,
 )
 
@@ -64,29 +65,13 @@ class DecisionContext:
     def lent_gpu_ids(self) -> frozenset[str]:
         return self.state.lent_gpu_ids
 
-    def rollout_gpus(
-        self, lent: Iterable[str], excluded_allocations: Iterable[str] = ()
-    ) -> list[Gpu]:
+    def rollout_gpus(self, lent: Iterable[str], excluded_allocations: Iterable[str] = ()) -> Pool:
         """GPUs rollout may use: base rollout, usable granted elastic ones, and lent ones."""
-        lent_ids = set(lent)
-        excluded = set(excluded_allocations)
-        allocations = self.state.allocation_by_id
-        pool: list[Gpu] = []
-        for (allocation_id, source), gpus in self.state.gpu_groups.items():
-            if source is GpuSource.BASE_TRAIN:
-                if lent_ids:
-                    pool.extend(g for g in gpus if g.gpu_id in lent_ids)
-            elif (
-                allocations[allocation_id].status is AllocationStatus.GRANTED
-                and allocation_id not in excluded
-            ):
-                pool.extend(gpus)
-        return pool
+        return rollout_pool(self.state, lent, excluded_allocations)
 
     def budget(self, gpus: Iterable[Gpu], extra_nodes: Iterable[tuple[str, int]] = ()) -> GpuBudget:
-        per_node: Counter[tuple[str, str]] = Counter((g.gpu_type, g.node) for g in gpus)
         per_type: defaultdict[str, list[int]] = defaultdict(list)
-        for (gpu_type, _), n in per_node.items():
+        for (gpu_type, _), n in node_counts(gpus).items():
             per_type[gpu_type].append(n)
         for gpu_type, n in extra_nodes:
             per_type[gpu_type].append(n)
@@ -106,7 +91,10 @@ class DecisionContext:
         budget = self.budget(pool, extra_nodes)
         key = (budget, lending)
         if key not in self._selections:
-            inv = inventory(self.state, (g.gpu_id for g in pool), lending)
+            if isinstance(pool, Pool):
+                inv = inventory_where(self.state, partial(pool.holds, self.state), lending)
+            else:
+                inv = inventory(self.state, (g.gpu_id for g in pool), lending)
             self._selections[key] = select_pd(
                 self.prepared,
                 budget,

@@ -27,9 +27,10 @@ from pearl.core.planner import plan_transition
 from pearl.core.policies.borrowing import BORROW_RULES
 from pearl.core.policies.elastic import ELASTIC_RULES
 from pearl.core.policies.switching import SWITCH_RULES, SwitchInput
+from pearl.core.pool import Pool
 from pearl.core.profile import RuntimeProfile
 from pearl.core.registry import check_names, lookup
-from pearl.core.state import AllocationKind, AllocationStatus, BorrowWindow, ClusterState, Gpu
+from pearl.core.state import AllocationKind, AllocationStatus, BorrowWindow, ClusterState
 
 Policy = Callable[[ClusterState, Observation, PolicyConfig, RuntimeProfile, float], Decision]
 
@@ -137,7 +138,7 @@ def _with_borrow(state: ClusterState, borrow: BorrowAction, now_s: float) -> Clu
 
 
 def _pool_changed(
-    state: ClusterState, pool: list[Gpu], lending_changes: bool, elastic: ElasticAction
+    state: ClusterState, pool: Pool, lending_changes: bool, elastic: ElasticAction
 ) -> bool:
     """The running configuration must change: engines outside the pool, a lend or a
     return to carry out, a usable grant that hosts no worker yet, or no engine at all on
@@ -146,8 +147,7 @@ def _pool_changed(
     met)."""
     if pool and not state.active_engines:
         return True
-    in_pool = {g.gpu_id for g in pool}
-    if any(not in_pool.issuperset(w.gpu_ids) for w in state.active_engines):
+    if any(not pool.holds(state, w) for w in state.active_engines):
         return True
     if lending_changes:
         return True

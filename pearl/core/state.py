@@ -184,6 +184,23 @@ class ClusterState(Frozen):
         return {key: tuple(gpus) for key, gpus in groups.items()}
 
     @cached_property
+    def group_node_counts(self) -> dict[tuple[str, GpuSource], Counter[tuple[str, str]]]:
+        """Per group of ``gpu_groups``: (GPU type, node) -> its GPUs there."""
+        return {
+            key: Counter((g.gpu_type, g.node) for g in gpus)
+            for key, gpus in self.gpu_groups.items()
+        }
+
+    @cached_property
+    def worker_groups(self) -> dict[str, tuple[str, GpuSource] | None]:
+        """Worker id -> the group of ``gpu_groups`` all its GPUs are in (None: several)."""
+        out: dict[str, tuple[str, GpuSource] | None] = {}
+        for w in self.workers:
+            groups = {(g.allocation_id, g.source) for g in map(self.gpu_by_id.get, w.gpu_ids) if g}
+            out[w.worker_id] = groups.pop() if len(groups) == 1 else None
+        return out
+
+    @cached_property
     def base_train_gpu_ids(self) -> tuple[str, ...]:
         """The trainer's GPUs, in the order of the state."""
         return tuple(g.gpu_id for g in self.gpus if g.source is GpuSource.BASE_TRAIN)

@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import math
 from collections import Counter, defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from pearl.core.pd import PDConfig
 from pearl.core.profile import TransitionCosts
 from pearl.core.roles import INFERENCE_ROLES, Phase, Role
-from pearl.core.state import ClusterState
+from pearl.core.state import ClusterState, Worker
 
 GpuClass = tuple[str, int]  # (gpu_type, tp)
 
@@ -48,11 +48,18 @@ class Inventory:
 
 def inventory(state: ClusterState, pool_gpu_ids: Iterable[str], lending: bool) -> Inventory:
     pool = set(pool_gpu_ids)
+    return inventory_where(state, lambda w: pool.issuperset(w.gpu_ids), lending)
+
+
+def inventory_where(
+    state: ClusterState, in_pool: Callable[[Worker], bool], lending: bool
+) -> Inventory:
+    """The inventory of the live engines ``in_pool`` says are in the pool."""
     active: defaultdict[GpuClass, Counter[Role]] = defaultdict(Counter)
     asleep: Counter[GpuClass] = Counter()
     stale: set[GpuClass] = set()
     for w, gpu_type in state.live_engines:
-        if not pool.issuperset(w.gpu_ids):
+        if not in_pool(w):
             continue
         cls = (gpu_type, w.tp)
         if w.role in INFERENCE_ROLES and w.phase not in (Phase.DRAINING, Phase.STOPPING):

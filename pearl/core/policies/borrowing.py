@@ -22,12 +22,12 @@ Invariant: a forced return's deadline is never later than the open window's.
 from __future__ import annotations
 
 import math
-from collections import Counter
 from collections.abc import Callable, Sequence
 
 from pearl.core.context import DecisionContext
 from pearl.core.decision import BorrowAction, BorrowKind
 from pearl.core.observation import TrainerPhase
+from pearl.core.pool import node_counts
 from pearl.core.state import Gpu
 
 BorrowRule = Callable[[DecisionContext], BorrowAction]
@@ -112,9 +112,10 @@ def _same_kind(pool: Sequence[Gpu], lent: Sequence[Gpu]) -> bool:
     """Lending adds no GPU type and no larger node: the configurations predicted on the
     pool cover every TP combination the lent GPUs allow, so none can finish before the
     shortest critical path among them (the predictor's completion is never below it)."""
-    types = {g.gpu_type for g in pool} | {g.gpu_type for g in lent}
-    largest_node = max(Counter(g.node for g in pool).values(), default=0)
-    return len(types) == 1 and max(Counter(g.node for g in lent).values()) <= largest_node
+    in_pool, lent_per_node = node_counts(pool), node_counts(lent)
+    types = {t for t, _ in in_pool} | {t for t, _ in lent_per_node}
+    largest_node = max(in_pool.values(), default=0)
+    return len(types) == 1 and max(lent_per_node.values()) <= largest_node
 
 
 def always_rule(ctx: DecisionContext) -> BorrowAction:
