@@ -83,9 +83,10 @@ def axis_of(text: str) -> Axis:
 
 def variants(
     path: Path, axes: list[Axis], duration_s: float | None
-) -> list[tuple[Point, Scenario]]:
-    """Every point of the grid with its validated scenario: a bad one is one line naming
-    the scenario file, the field, the problem and the point."""
+) -> list[tuple[Point, Scenario, RuntimeProfile]]:
+    """Every point of the grid with its validated scenario and the profile it names (a
+    point may vary ``profile``): a bad one is one line naming the scenario file, the
+    field, the problem and the point."""
     doc = read_document(path)
     if not isinstance(doc, dict):
         raise InputError(path, "", "not a mapping")
@@ -96,21 +97,13 @@ def variants(
     out = []
     for point in points:
         try:
-            scenario, _ = scenario_of_document(with_point(doc, point), path)
-        except SweepError as err:
-            raise InputError(path, err.field, f"{err.problem} (at {label(point)})") from None
-        except InputError as err:
+            scenario, profile = scenario_of_document(with_point(doc, point), path)
+        except (SweepError, InputError) as err:
             raise InputError(path, err.field, f"{err.problem} (at {label(point)})") from None
         if duration_s is not None:
             scenario = scenario.model_copy(update={"duration_s": duration_s})
-        out.append((point, scenario))
+        out.append((point, scenario, profile))
     return out
-
-
-def _task(
-    scenario: Scenario, profile: RuntimeProfile, seed: int, names: list[str]
-) -> tuple[dict[str, RunMetrics], OracleBound]:
-    return run_seed(scenario, profile, seed, names)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -123,18 +116,18 @@ def run(args: argparse.Namespace) -> int:
     path = Path(args.scenario)
     axes = [axis_of(text) for text in args.vary]
     points = variants(path, axes, args.duration_s)
-    _, profile = scenario_of_document(read_document(path), path)
     names = runs_needed(policies)
     jobs = args.jobs or os.cpu_count() or 1
     out = args.out or Path("runs") / f"sweep-{points[0][1].name}"
     tasks = [
-        (i, seed) for i, (_, sc) in enumerate(points) for seed in range(args.seeds or sc.seeds)
+        (i, seed) for i, (_, sc, _) in enumerate(points) for seed in range(args.seeds or sc.seeds)
     ]
     results: dict[tuple[int, int], tuple[dict[str, RunMetrics], OracleBound]] = {}
     started = time.monotonic()
     with ProcessPoolExecutor(max_workers=jobs) as pool:
         futures = {
-            pool.submit(_task, points[i][1], profile, seed, names): (i, seed) for i, seed in tasks
+            pool.submit(run_seed, points[i][1], points[i][2], seed, names): (i, seed)
+            for i, seed in tasks
         }
         for done, future in enumerate(as_completed(futures), 1):
             i, seed = futures[future]
@@ -144,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
                 f"[{done}/{len(tasks)}] {label(points[i][0])} seed {seed}: {elapsed_s:.0f} s\n"
             )
     rows = []
-    for i, (point, scenario) in enumerate(points):
+    for i, (point, scenario, _) in enumerate(points):
         seeds = sorted(s for j, s in results if j == i)
         runs = {n: [results[(i, s)][0][n] for s in seeds] for n in names}
         oracle = [results[(i, s)][1] for s in seeds]

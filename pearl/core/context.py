@@ -26,7 +26,6 @@ from pearl.core.transition_cost import (
     Inventory,
     effective_completion_s,
     estimate_transition_s,
-    inventory,
     inventory_where,
     kept_gpu_share,
 )
@@ -79,7 +78,7 @@ class DecisionContext:
 
     def select(
         self,
-        pool: Sequence[Gpu],
+        pool: Pool,
         lending: bool = False,
         extra_nodes: Sequence[tuple[str, int]] = (),
     ) -> Selection:
@@ -91,10 +90,7 @@ class DecisionContext:
         budget = self.budget(pool, extra_nodes)
         key = (budget, lending)
         if key not in self._selections:
-            if isinstance(pool, Pool):
-                inv = inventory_where(self.state, partial(pool.holds, self.state), lending)
-            else:
-                inv = inventory(self.state, (g.gpu_id for g in pool), lending)
+            inv = inventory_where(self.state, partial(pool.holds, self.state), lending)
             self._selections[key] = select_pd(
                 self.prepared,
                 budget,

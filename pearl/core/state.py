@@ -196,7 +196,8 @@ class ClusterState(Frozen):
         """Worker id -> the group of ``gpu_groups`` all its GPUs are in (None: several)."""
         out: dict[str, tuple[str, GpuSource] | None] = {}
         for w in self.workers:
-            groups = {(g.allocation_id, g.source) for g in map(self.gpu_by_id.get, w.gpu_ids) if g}
+            gpus = [self.gpu_by_id[gid] for gid in w.gpu_ids]
+            groups = {(g.allocation_id, g.source) for g in gpus}
             out[w.worker_id] = groups.pop() if len(groups) == 1 else None
         return out
 

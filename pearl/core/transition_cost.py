@@ -74,9 +74,7 @@ def inventory_where(
 def estimate_transition_s(
     inv: Inventory, target: PDConfig, costs: TransitionCosts, drain_s: float
 ) -> float:
-    want: defaultdict[GpuClass, dict[Role, int]] = defaultdict(dict)
-    for spec, n in target.instances:
-        want[(spec.gpu_type, spec.tp)][spec.role] = n
+    want = _wanted(target)
     none: Counter[Role] = Counter()
     moves = []  # per class: (engines to switch, to wake, to start)
     surplus = 0  # active engines the target does not keep as they are
@@ -109,13 +107,19 @@ def kept_gpu_share(inv: Inventory, target: PDConfig, running_gpus: int) -> float
     if running_gpus <= 0:
         return 0.0
     kept_gpus = 0
-    want: defaultdict[GpuClass, dict[Role, int]] = defaultdict(dict)
-    for spec, n in target.instances:
-        want[(spec.gpu_type, spec.tp)][spec.role] = n
+    want = _wanted(target)
     for cls, have in inv.active.items():
         wanted = want.get(cls, {})
         kept_gpus += cls[1] * sum(min(n, have[r]) for r, n in wanted.items())
     return min(1.0, kept_gpus / running_gpus)
+
+
+def _wanted(target: PDConfig) -> dict[GpuClass, dict[Role, int]]:
+    """The target's instances by class and role."""
+    want: defaultdict[GpuClass, dict[Role, int]] = defaultdict(dict)
+    for spec, n in target.instances:
+        want[(spec.gpu_type, spec.tp)][spec.role] = n
+    return want
 
 
 def effective_completion_s(

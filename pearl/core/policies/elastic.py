@@ -98,10 +98,7 @@ def _gaining_nothing(
             continue
         with_it = ctx.select(ctx.rollout_gpus(lent, (*released, *idle))).best
         without = ctx.select(ctx.rollout_gpus(lent, (*released, *idle, a.allocation_id))).best
-        if (with_it.effective_s, with_it.completion_s) >= (
-            without.effective_s,
-            without.completion_s,
-        ):
+        if _rank_key(with_it) >= _rank_key(without):
             idle += (a.allocation_id,)
     return idle
 
