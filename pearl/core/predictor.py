@@ -72,6 +72,7 @@ from pearl.core.prepared import (
     steps,
 )
 from pearl.core.profile import RuntimeProfile
+from pearl.core.prompt_backlog import backlog_s, mean_wait_s
 from pearl.core.turn_model import BOUND_NAMES, Cycle, solve_cycle
 from pearl.core.workload import TurnStats, WorkloadSnapshot
 
@@ -107,11 +108,14 @@ class PredictionBreakdown:
     kv_transfer_s_per_turn: float  # KV transfer latency of one turn (0 when colocated)
     prefix_hit_rate: float  # share of turns whose prefix is still in the KV cache
     env_share: float  # share of a turn cycle spent in the environment
+    prompt_backlog_s: float  # time the prefill pool takes for fresh whole prompts (prompt_backlog)
     num_segments: int  # segments of the fluid sum (distinct positions, merged if many)
     num_trajectories: int  # trajectories with turns left (the fluid's initial N)
 
 
-_EMPTY = PredictionBreakdown(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0)
+_EMPTY = PredictionBreakdown(
+    0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0
+)
 
 
 def _with_critical(critical_s: float) -> PredictionBreakdown:
@@ -228,6 +232,12 @@ def _predict_groups(w: PreparedWorkload, g: EngineGroups) -> list[Prediction]:
         uniform = t.share / np.where(shares > 0, shares, 1.0)
         num_seg = w.batch.cut_segment + 1
 
+    # Fresh prompts queue at the prefill pool ahead of the turns (prompt_backlog).
+    backlog = backlog_s(g, w.fresh, detail.prefix_hit[:, :1])[:, 0]
+    if w.fresh.count:
+        wait_s = mean_wait_s(backlog, cycle_s[:, 0])
+        completion_s = np.maximum(completion_s + wait_s, critical_s + backlog)
+
     # The bottleneck: the binding term of the most fluid time (sums in segment order).
     num_configs, num_codes = len(r), len(BOUND_NAMES)
     rows = np.arange(num_configs)[:, None]
@@ -252,7 +262,9 @@ def _predict_groups(w: PreparedWorkload, g: EngineGroups) -> list[Prediction]:
     totals = np.stack(
         [completion_s, critical_s, fluid_s, throughput_s, env_saving_s, cycle_s[:, 0]]
     )
-    columns = np.concatenate([totals, (per_segment * weights).sum(axis=2)]).T.tolist()
+    columns = np.concatenate(
+        [totals, (per_segment * weights).sum(axis=2), backlog[None, :]]
+    ).T.tolist()
     names = ("latency", *BOUND_NAMES)
     counts = (num_seg, w.num_trajectories)
     return [

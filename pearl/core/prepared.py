@@ -47,6 +47,7 @@ from pearl.core.next_batch import (
     prepared_batch,
 )
 from pearl.core.profile import RuntimeProfile
+from pearl.core.prompt_backlog import NO_FRESH_PROMPTS, FreshPrompts
 from pearl.core.turn_model import Segments, segments
 from pearl.core.workload import TrajPhase, TurnStats, WorkloadSnapshot
 
@@ -120,6 +121,7 @@ class PreparedWorkload:
     batch: PreparedBatch | None = None  # the next batch's groups, if the snapshot asks for it
     start_delay_s: float = 0.0  # NextBatch.not_started_after_s, when it applies
     listed_only: PreparedWorkload | None = None  # the same batch from listed groups alone
+    fresh: FreshPrompts = NO_FRESH_PROMPTS  # first prefills of whole prompts (prompt_backlog)
 
     @property
     def num_segments(self) -> int:
@@ -258,6 +260,7 @@ def prepare(
         spread=stats if stats.has_spread else None,
         alone_at_least=(n - np.searchsorted(np.sort(turns), turns_seg[alone])).astype(float),
         batch=batch,
+        fresh=FreshPrompts.of(cols.context_tokens[keep & cols.fresh], turn),
         **_later_groups(workload, profile, max_segments),
     )
 

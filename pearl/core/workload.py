@@ -59,6 +59,11 @@ class TrajectoryProgress(Frozen):
         description="The GRPO group (prompt) the trajectory samples; required when the "
         "snapshot asks for a next batch (WorkloadSnapshot.next_batch).",
     )
+    fresh: bool = Field(
+        False,
+        description="Queued for its first prefill with nothing of it cached: that prefill "
+        "computes the whole context (not-started trajectories are fresh).",
+    )
 
 
 class TurnStats(Frozen):
@@ -172,6 +177,7 @@ class WorkloadSnapshot(Frozen):
         turns = np.empty(n)
         out = np.empty(n)
         env = np.empty(n)
+        fresh = np.empty(n, dtype=bool)
         codes = {p: i for i, p in enumerate(TrajPhase)}
         for i, t in enumerate(self.trajectories):
             phase[i] = codes[t.phase]
@@ -179,7 +185,8 @@ class WorkloadSnapshot(Frozen):
             turns[i] = t.remaining_turns
             out[i] = t.turn_output_tokens
             env[i] = t.env_remaining_s
-        return TrajectoryArrays(phase, ctx, turns, out, env)
+            fresh[i] = t.fresh
+        return TrajectoryArrays(phase, ctx, turns, out, env, fresh)
 
     def arrays(self, defaults: WorkloadDefaults) -> TrajectoryArrays:
         """Column arrays of all unfinished trajectories (not-started ones from defaults)."""
@@ -197,6 +204,7 @@ class WorkloadSnapshot(Frozen):
             ),
             turn_output_tokens=np.concatenate([started.turn_output_tokens, np.zeros(k)]),
             env_remaining_s=np.concatenate([started.env_remaining_s, np.zeros(k)]),
+            fresh=np.concatenate([started.fresh, np.ones(k, dtype=bool)]),
         )
 
 
@@ -209,3 +217,4 @@ class TrajectoryArrays:
     remaining_turns: NDArray[np.float64]
     turn_output_tokens: NDArray[np.float64]
     env_remaining_s: NDArray[np.float64]
+    fresh: NDArray[np.bool_]  # nothing cached: the next prefill computes the whole context

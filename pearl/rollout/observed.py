@@ -157,7 +157,8 @@ def progress(
     tool has run, not its future. ``context_tokens`` includes the current turn's tokens so
     far (``turn_output_tokens``). Turns left (the current one included; in env, those after
     the tool): ``turns_left[turns_done]``, 1 beyond the table; the tool's time left (in env
-    only): ``tool_left(env_running_s)``."""
+    only): ``tool_left(env_running_s)``. Queued for its first turn, it is fresh: nothing of
+    it is cached (``TrajectoryProgress.fresh``)."""
     remaining = turns_left[turns_done] if turns_done < len(turns_left) else 1.0
     env_s = tool_left(env_running_s) if phase is TrajPhase.ENV else 0.0
     return TrajectoryProgress.model_construct(
@@ -168,6 +169,7 @@ def progress(
         turn_output_tokens=turn_output_tokens,
         env_remaining_s=env_s,
         group_id=group_id,
+        fresh=phase is TrajPhase.QUEUED and turns_done == 0,
     )
 
 

@@ -168,7 +168,8 @@ def test_a_last_env_step_is_waited_for_without_any_engine() -> None:
 
 def test_not_started_trajectories_use_the_profile_defaults() -> None:
     profile = constant_profile()
-    started = WorkloadSnapshot(trajectories=(traj(0, 4, ctx=1024),))
+    queued = traj(0, 4, ctx=1024).model_copy(update={"fresh": True})
+    started = WorkloadSnapshot(trajectories=(queued,))
     fresh = WorkloadSnapshot(not_started=1)
     assert predict(fresh, colocated(1), profile) == predict(started, colocated(1), profile)
 
@@ -374,7 +375,10 @@ def _mixed_workload(
         if same_context:  # the context at the start of the current (env: next) turn
             ctx = shared_ctx + out - (OBS if phase is TrajPhase.ENV else 0)
         env_rest_s = float(rng.uniform(0, 2 * env_s)) if phase is TrajPhase.ENV else 0.0
-        trajs.append(traj(i, float(rng.integers(1, 9)), ctx, phase, out, env_rest_s))
+        t = traj(i, float(rng.integers(1, 9)), ctx, phase, out, env_rest_s)
+        if phase is TrajPhase.QUEUED and i % 3 == 0:  # its first turn: nothing cached
+            t = t.model_copy(update={"fresh": True})
+        trajs.append(t)
     stats = TurnStats(
         output_tokens_per_turn=OUT, observation_tokens_per_turn=OBS, env_latency_s=env_s
     )
@@ -596,7 +600,34 @@ def _reference(w: PreparedWorkload, config: PDConfig) -> tuple[float, str, dict[
         "env_share": float(weights @ (e / cycle_s)),
         "num_segments": len(r),
     }
-    return max(fluid_s, critical_s), bottleneck, breakdown
+    completion_s = max(fluid_s, critical_s)
+    backlog_s = _reference_backlog_s(w, config, float(cyc.detail.prefix_hit[0, 0]))
+    if w.fresh.count:  # a turn waits until the fresh prompts are computed
+        t = float(cycle_s[0])
+        wait_s = backlog_s**2 / (2 * t) if backlog_s <= t else backlog_s - t / 2
+        completion_s = max(completion_s + wait_s, critical_s + backlog_s)
+    breakdown["prompt_backlog_s"] = backlog_s
+    return completion_s, bottleneck, breakdown
+
+
+def _reference_backlog_s(w: PreparedWorkload, config: PDConfig, hit: float) -> float:
+    """The fresh prompts' tokens beyond a returning turn's, shared by the prefill-capable
+    instances in proportion to their speed: 1 / sum over instances of 1 / (its time)."""
+    disaggregated = config.count(Role.PREFILL) + config.count(Role.DECODE) > 0
+    new = w.turn.observation_tokens + w.turn.output_tokens * disaggregated
+    beyond = [p - new for p in w.fresh.prompt_tokens.tolist() if p > new]
+    rate = 0.0
+    for spec, count in config.instances:
+        if spec.role in (Role.PREFILL, Role.COLOCATED):
+            e = w.profile.engine(spec.gpu_type, spec.tp)
+            assert e is not None
+            pf = e.prefill
+            alone_s = sum(
+                pf.b_s_per_token * x + pf.c_s_per_token2 * x * x + pf.a_s * x / e.max_batched_tokens
+                for x in beyond
+            )
+            rate += count / (hit * alone_s) if hit * alone_s > 0 else math.inf
+    return 1.0 / rate if 0 < rate < math.inf else 0.0
 
 
 # --- merged segments ------------------------------------------------------------------------------
