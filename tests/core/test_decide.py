@@ -10,6 +10,7 @@ from pearl.core.decide import decide
 from pearl.core.decision import BorrowKind, Decision
 from pearl.core.observation import (
     AllocationGranted,
+    AllocationPending,
     AllocationPreempting,
     GrantedNode,
     Observation,
@@ -238,6 +239,28 @@ def test_a_grant_whose_gpus_gain_nothing_is_released_not_held_idle(
     assert "released 99" in d.elastic.reason
     assert not [s for s in d.plan.steps if s.node == "x1"]
     assert not d.switch.switch
+
+
+def test_pending_requests_like_a_grant_that_gains_nothing_are_cancelled_with_it(
+    profile: RuntimeProfile,
+) -> None:
+    """Granted one by one, each pending node of the same kind would gain nothing either,
+    and be given back at once, its release letting Slurm grant the next (the simulator's
+    30B runs logged six grant-and-release decisions at one time). Another kind stays."""
+    state = build_state(Layout(1, 1, 0))
+    state = settle(state, _obs(n=16), PolicyConfig(), profile, 0.0)
+    pending = tuple(
+        AllocationPending(allocation_id=aid, gpu_type=gpu, num_gpus=n)
+        for aid, gpu, n in (("100", "h100", 8), ("101", "h100", 8), ("102", "h100", 16))
+    )
+    grant = AllocationGranted(
+        allocation_id="99",
+        end_by_s=5000.0,
+        nodes=(GrantedNode(node="x1", gpu_type="h100", num_gpus=8),),
+    )
+    d = decide(state, _obs(n=16, events=(*pending, grant)), PolicyConfig(), profile, 10.0)
+    assert set(d.elastic.releases) == {"99", "100", "101"}
+    assert "released 99, 100, 101" in d.elastic.reason
 
 
 def test_no_switch_is_said_over_a_plan_of_no_steps(profile: RuntimeProfile) -> None:

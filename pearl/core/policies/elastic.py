@@ -6,7 +6,8 @@
   engines already run on it; otherwise it is released at once. One that hosts nothing yet
   is released too when the best configuration with it is no better than the best
   without it (same completion, with and without the transition): held, it would sit idle
-  while every decision said the pool changed;
+  while every decision said the pool changed; the pending requests for GPUs of its kind
+  are cancelled with it (each, granted, would gain nothing either);
 - a preempting allocation leaves the pool: the planner moves its engines off within the
   grace period;
 - while fewer than ``max_allocations`` are pending or held, it requests more when the
@@ -50,6 +51,7 @@ def _marginal_gain(ctx: DecisionContext) -> tuple[ElasticAction, tuple[str, ...]
     )
     lent = ctx.lent_gpu_ids() | set(ctx.state.borrow.gpu_ids if ctx.state.borrow else ())
     idle = _gaining_nothing(ctx, elastic, hosting, lent, unused)
+    idle += _pending_like(elastic, idle)
     unused += idle
     live = [a for a in elastic if a.status in _LIVE and a.allocation_id not in unused]
     room = cfg.max_allocations - len(live)
@@ -101,6 +103,18 @@ def _gaining_nothing(
         if _rank_key(with_it) >= _rank_key(without):
             idle += (a.allocation_id,)
     return idle
+
+
+def _pending_like(elastic: list[Allocation], idle: tuple[str, ...]) -> tuple[str, ...]:
+    """The pending requests for GPUs like those of a grant that gains nothing: granted,
+    each would gain nothing too (one more node of the same kind), so they are cancelled
+    rather than granted and given back one by one."""
+    kinds = {(a.gpu_type, a.num_gpus) for a in elastic if a.allocation_id in idle}
+    return tuple(
+        a.allocation_id
+        for a in elastic
+        if a.status is AllocationStatus.PENDING and (a.gpu_type, a.num_gpus) in kinds
+    )
 
 
 def _rank_key(c: Candidate) -> tuple[float, float]:
