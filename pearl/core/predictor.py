@@ -72,7 +72,7 @@ from pearl.core.prepared import (
     steps,
 )
 from pearl.core.profile import RuntimeProfile
-from pearl.core.prompt_backlog import backlog_s, mean_wait_s
+from pearl.core.prompt_backlog import backlog_s, mean_wait_s, reach_share
 from pearl.core.turn_model import BOUND_NAMES, Cycle, solve_cycle
 from pearl.core.workload import TurnStats, WorkloadSnapshot
 
@@ -235,8 +235,11 @@ def _predict_groups(w: PreparedWorkload, g: EngineGroups) -> list[Prediction]:
     # Fresh prompts queue at the prefill pool ahead of the turns (prompt_backlog).
     backlog = backlog_s(g, w.fresh, detail.prefix_hit[:, :1])[:, 0]
     if w.fresh.count:
-        wait_s = mean_wait_s(backlog, cycle_s[:, 0])
-        completion_s = np.maximum(completion_s + wait_s, critical_s + backlog)
+        wait_s = mean_wait_s(backlog, cycle_s[:, 0]) * reach_share(completion_s, cycle_s[:, 0])
+        completion_s = completion_s + wait_s
+        if w.batch is None or w.batch.groups_needed == w.batch.num_groups:
+            # every trajectory, the last fresh one too: it starts at D
+            completion_s = np.maximum(completion_s, critical_s + backlog)
 
     # The bottleneck: the binding term of the most fluid time (sums in segment order).
     num_configs, num_codes = len(r), len(BOUND_NAMES)

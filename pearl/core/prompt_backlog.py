@@ -17,8 +17,12 @@ the prefix hit share of the first segment, since the cycle already charges a mis
 whole context); the pool shares it in proportion to speed, so it clears in
 ``D = 1 / sum_g (1 / X_g)``. A turn reaching the pool at a uniform point of the first cycle
 ``T`` waits until the backlog clears: on average ``D^2 / (2T)`` when ``D <= T`` and
-``D - T/2`` beyond. The batch completes that mean later, and no earlier than its critical
-path plus ``D`` (the last fresh prompt starts at ``D``).
+``D - T/2`` beyond. The batch completes that mean later, times the share of the
+trajectories whose next turn comes before the batch completes (``reach_share``: all of
+them once the batch takes a cycle ``T``, else its share of ``T``); the whole workload
+completes no earlier than its critical path plus ``D`` (the last fresh prompt starts at
+``D``; a next batch of fewer than all groups is taken to be of groups already running,
+so not for it).
 """
 
 from __future__ import annotations
@@ -83,4 +87,13 @@ def mean_wait_s(backlog: F64, cycle_s: F64) -> F64:
     ``cycle_s`` behind a backlog that clears at ``backlog``: D^2 / 2T, or D - T/2."""
     t = np.maximum(cycle_s, 1e-300)
     result: F64 = np.where(backlog <= t, backlog * backlog / (2.0 * t), backlog - 0.5 * t)
+    return result
+
+
+def reach_share(completion_s: F64, cycle_s: F64) -> F64:
+    """The share of the trajectories whose next turn reaches the pool before a batch
+    completing at ``completion_s`` does: all of them once it takes a cycle, else the
+    share of a cycle it takes (a turn is at a uniform point of its cycle). A batch a
+    moment from completing waits for no prompt: its members' last prefills are done."""
+    result: F64 = np.minimum(completion_s / np.maximum(cycle_s, 1e-300), 1.0)
     return result

@@ -605,7 +605,8 @@ def _reference(w: PreparedWorkload, config: PDConfig) -> tuple[float, str, dict[
     if w.fresh.count:  # a turn waits until the fresh prompts are computed
         t = float(cycle_s[0])
         wait_s = backlog_s**2 / (2 * t) if backlog_s <= t else backlog_s - t / 2
-        completion_s = max(completion_s + wait_s, critical_s + backlog_s)
+        reach = min(completion_s / t, 1.0)  # the turns that come before the batch ends
+        completion_s = max(completion_s + wait_s * reach, critical_s + backlog_s)
     breakdown["prompt_backlog_s"] = backlog_s
     return completion_s, bottleneck, breakdown
 

@@ -16,7 +16,13 @@ from pearl.core.pd import InstanceSpec, PDConfig
 from pearl.core.predictor import predict, predict_many
 from pearl.core.profile import RuntimeProfile
 from pearl.core.roles import Role
-from pearl.core.workload import TrajectoryProgress, TrajPhase, TurnStats, WorkloadSnapshot
+from pearl.core.workload import (
+    NextBatch,
+    TrajectoryProgress,
+    TrajPhase,
+    TurnStats,
+    WorkloadSnapshot,
+)
 from pearl.io.documents import load_profile
 from pearl.serving.requests import Request
 from pearl.sim.engine import EngineModel
@@ -99,3 +105,44 @@ def test_one_fresh_trajectory_alone_waits_for_its_own_prompt() -> None:
     p = predict(WorkloadSnapshot(trajectories=(fresh,)), cfg, profile)
     assert p.breakdown.prompt_backlog_s > 0
     assert p.completion_s == pytest.approx(base.completion_s + p.breakdown.prompt_backlog_s)
+
+
+def test_a_next_batch_a_moment_from_completion_waits_for_no_prompt() -> None:
+    """The one group needed is decoding its last turn; 512 fresh trajectories wait to
+    start. Its prefills are done, so the prompts barely delay it (the whole workload
+    waits for them)."""
+    profile = load_profile("qwen3-8b")
+    last = TrajectoryProgress(
+        traj_id="t0",
+        phase=TrajPhase.DECODE,
+        context_tokens=6000,
+        remaining_turns=1.0,
+        turn_output_tokens=190,
+        group_id="g0",
+    )
+    queued = [
+        TrajectoryProgress(
+            traj_id=f"q{i}",
+            phase=TrajPhase.QUEUED,
+            context_tokens=int(profile.workload.prompt_tokens),
+            remaining_turns=profile.workload.turns_per_trajectory,
+            group_id=f"q{i}",
+        )
+        for i in range(512)
+    ]
+    stats = burst(0).stats
+    nb = NextBatch(groups_needed=1, group_size=1)
+    cfg = config(prefill=1, decode=7)
+
+    def snapshot(fresh: bool, next_batch: NextBatch | None = nb) -> WorkloadSnapshot:
+        listed = [q.model_copy(update={"fresh": fresh}) for q in queued]
+        return WorkloadSnapshot(trajectories=(last, *listed), stats=stats, next_batch=next_batch)
+
+    fresh, not_fresh = predict(snapshot(True), cfg, profile), predict(snapshot(False), cfg, profile)
+    assert fresh.breakdown.prompt_backlog_s > 10 * not_fresh.completion_s
+    assert fresh.completion_s < not_fresh.completion_s + 0.1 * fresh.breakdown.prompt_backlog_s
+    everyone = predict(snapshot(True, None), cfg, profile)
+    assert (
+        everyone.completion_s
+        >= everyone.breakdown.critical_path_s + everyone.breakdown.prompt_backlog_s
+    )
