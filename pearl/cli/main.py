@@ -12,6 +12,7 @@ from pearl.cli import (
     bench,
     coordinator,
     engine,
+    family,
     model,
     plan,
     profile,
@@ -35,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_parser(sub)
     simulate.add_parser(sub)
     sweep.add_parser(sub)
+    family.add_parser(sub)
     coordinator.add_parser(sub)
     agent.add_parser(sub)
     analyze.add_parser(sub)

@@ -107,21 +107,41 @@ def variants(
 
 
 def run(args: argparse.Namespace) -> int:
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    policies = policies_of(args.policies)
+    path = Path(args.scenario)
+    axes = [axis_of(text) for text in args.vary]
+    points = variants(path, axes, args.duration_s)
+    jobs = args.jobs or os.cpu_count() or 1
+    out = args.out or Path("runs") / f"sweep-{points[0][1].name}"
+    started = time.monotonic()
+    rows = run_points(points, policies, args.seeds, jobs)
+    result = _result(path, axes, rows, time.monotonic() - started, jobs)
+    write_result(result, out, "sweep", args.json)
+    return 0
+
+
+def policies_of(text: str) -> list[str]:
+    """``--policies``: names of ``REPORTED``, pearl among them."""
+    policies = [p.strip() for p in text.split(",") if p.strip()]
     unknown = [p for p in policies if p not in REPORTED]
     if unknown or "pearl" not in policies:
         raise InputError(
             "<command line>", "--policies", f"unknown {unknown} or no pearl; known: {REPORTED}"
         )
-    path = Path(args.scenario)
-    axes = [axis_of(text) for text in args.vary]
-    points = variants(path, axes, args.duration_s)
+    return policies
+
+
+def run_points(
+    points: list[tuple[Point, Scenario, RuntimeProfile]],
+    policies: list[str],
+    seeds: int | None,
+    jobs: int,
+) -> list[dict[str, Any]]:
+    """Every policy on every point and seed (``seeds``, or each scenario's own), in
+    parallel over ``jobs`` processes: one row per point, its comparison (as ``pearl
+    simulate`` reports it) and pearl's ratio to each baseline."""
     names = runs_needed(policies)
-    jobs = args.jobs or os.cpu_count() or 1
-    out = args.out or Path("runs") / f"sweep-{points[0][1].name}"
-    tasks = [
-        (i, seed) for i, (_, sc, _) in enumerate(points) for seed in range(args.seeds or sc.seeds)
-    ]
+    tasks = [(i, seed) for i, (_, sc, _) in enumerate(points) for seed in range(seeds or sc.seeds)]
     results: dict[tuple[int, int], tuple[dict[str, RunMetrics], OracleBound]] = {}
     started = time.monotonic()
     with ProcessPoolExecutor(max_workers=jobs) as pool:
@@ -138,25 +158,29 @@ def run(args: argparse.Namespace) -> int:
             )
     rows = []
     for i, (point, scenario, _) in enumerate(points):
-        seeds = sorted(s for j, s in results if j == i)
-        runs = {n: [results[(i, s)][0][n] for s in seeds] for n in names}
-        oracle = [results[(i, s)][1] for s in seeds]
+        done_seeds = sorted(s for j, s in results if j == i)
+        runs = {n: [results[(i, s)][0][n] for s in done_seeds] for n in names}
+        oracle = [results[(i, s)][1] for s in done_seeds]
         comparison = compare(policies, runs, oracle, scenario.duration_s)
         tph = {n: e["throughput_traj_per_h"] for n, e in comparison.items()}
         rows.append({"point": dict(point), "policies": comparison, "ratios": ratios(tph)})
-    result = _result(path, axes, rows, time.monotonic() - started, jobs)
+    return rows
+
+
+def write_result(result: dict[str, Any], out: Path, stem: str, as_json: bool) -> None:
+    """``STEM.json``, ``STEM.md`` and ``STEM.png`` in ``out``; the table (or the JSON) on
+    stdout."""
     out.mkdir(parents=True, exist_ok=True)
     text = json.dumps(finite_json(result), indent=2, allow_nan=False)
-    (out / "sweep.json").write_text(text + "\n", encoding="utf-8")
+    (out / f"{stem}.json").write_text(text + "\n", encoding="utf-8")
     table = markdown(result)
-    (out / "sweep.md").write_text(table, encoding="utf-8")
-    plotted = _plot(result, out / "sweep.png")
-    if args.json:
+    (out / f"{stem}.md").write_text(table, encoding="utf-8")
+    plotted = _plot(result, out / f"{stem}.png")
+    if as_json:
         print(json.dumps(finite_json(result), allow_nan=False))
     else:
         print(table, end="")
-        print(f"sweep.json, sweep.md{', sweep.png' if plotted else ''} in {out}")
-    return 0
+        print(f"{stem}.json, {stem}.md{f', {stem}.png' if plotted else ''} in {out}")
 
 
 def _result(
