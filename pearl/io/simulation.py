@@ -81,7 +81,9 @@ def windows_for(scenario: Scenario, seed: int) -> tuple[Window, ...]:
         rng = np.random.default_rng([WINDOW_SEED_SALT, seed])
         drawn = synthetic_windows(
             rng,
-            horizon_s=SYNTHETIC_WARMUP_S + scenario.duration_s,
+            # past the run's end by the preemption notice: the draw's horizon ends the
+            # windows still open there, which is not a reclaim the run may be warned of
+            horizon_s=SYNTHETIC_WARMUP_S + scenario.duration_s + el.grace_s + 1.0,
             arrivals_per_h=s.arrivals_per_h,
             mean_lifetime_s=s.lifetime_mean_s,
             lifetime_sigma=s.lifetime_sigma,

@@ -131,12 +131,15 @@ def open_gpus_at(windows: tuple[Window, ...], time_s: float) -> int:
 def clip_windows(
     windows: tuple[Window, ...], offset_s: float, duration_s: float, max_gpus: int | None
 ) -> tuple[Window, ...]:
-    """Trace windows moved to run time (trace ``offset_s`` is run time 0), clipped to the
-    run, and capped: windows that would open more than ``max_gpus`` at once are dropped."""
+    """Trace windows moved to run time (trace ``offset_s`` is run time 0), those that open
+    during the run (or are open at its start), and capped: windows that would open more
+    than ``max_gpus`` at once are dropped. A window open at the run's end keeps its own
+    end, after the run: the run's end is not its owner reclaiming it (clipped there, every
+    window open at the end would be warned of a reclaim ``grace_s`` before it)."""
     out: list[Window] = []
     for w in sorted(windows):
-        start_s, end_s = max(w.start_s - offset_s, 0.0), min(w.end_s - offset_s, duration_s)
-        if end_s <= start_s:
+        start_s, end_s = max(w.start_s - offset_s, 0.0), w.end_s - offset_s
+        if end_s <= start_s or start_s >= duration_s:
             continue
         clipped = Window(start_s, end_s, w.num_gpus, w.gpu_type)
         open_now = sum(o.num_gpus for o in out if o.start_s <= start_s < o.end_s)

@@ -5,12 +5,21 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import sim_fixtures
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from trace_files import traces_or_skip
 
+from pearl.io.simulation import windows_for
 from pearl.io.traces import HELIOS_VC, read_helios_idle
-from pearl.sim.availability import Window, open_gpus_at, synthetic_windows, windows_from_idle_series
+from pearl.sim.availability import (
+    Window,
+    clip_windows,
+    open_gpus_at,
+    synthetic_windows,
+    windows_from_idle_series,
+)
+from pearl.sim.scenario import Scenario
 
 RAW = "the window rule is checked on the raw Helios series"
 
@@ -131,3 +140,20 @@ def test_synthetic_rates_and_lifetimes_match_the_parameters() -> None:
     lifetimes = np.array([w.duration_s for w in windows])
     assert lifetimes.mean() == pytest.approx(1800.0, rel=0.03)
     assert np.std(np.log(lifetimes)) == pytest.approx(1.0, rel=0.03)
+
+
+def test_a_window_open_at_the_run_end_outlives_the_run() -> None:
+    """The run's end is not the owner reclaiming a window: clipped there, every window
+    open at the end would be warned of a reclaim ``grace_s`` before it and taken off."""
+    trace = (Window(0.0, 500.0, 8, "h800"), Window(700.0, 5000.0, 8, "h800"))
+    trace += (Window(1500.0, 2000.0, 8, "h800"),)  # opens after the run: not in it
+    assert clip_windows(trace, 100.0, 1000.0, None) == (
+        Window(0.0, 400.0, 8, "h800"),
+        Window(600.0, 4900.0, 8, "h800"),
+    )
+    doc = sim_fixtures.scenario_dict(elastic=True, duration_s=3600.0)
+    doc["elastic"]["synthetic"].update(lifetime_median_s=20_000.0, max_gpus=64)
+    scenario = Scenario.model_validate(doc)
+    windows = windows_for(scenario, seed=0)
+    assert windows and all(w.start_s < scenario.duration_s for w in windows)
+    assert any(w.end_s > scenario.duration_s + scenario.elastic.grace_s for w in windows)

@@ -198,10 +198,11 @@ def test_a_scenario_reads_its_own_files_relative_to_itself(tmp_path: Path) -> No
     doc["elastic"]["trace"].update(windows_file="data/sacct-windows.json", offset_s=200.0)
     scenario = _load(tmp_path, doc)
     inputs = run_inputs(scenario, F.profile(), seed=0)
-    # the 50 s window is below min_duration_s; the others move to run time (offset 200 s)
+    # the 50 s window is below min_duration_s; the others move to run time (offset 200 s),
+    # the last one open past the run's end (900 s): the end is not its owner's reclaim
     assert [(w.start_s, w.end_s, w.num_gpus) for w in inputs.windows] == [
         (0.0, 200.0, 16),
-        (800.0, 900.0, 8),
+        (800.0, 4800.0, 8),
     ]
     m = means(inputs.trajectory_model)
     assert m.turns_per_trajectory == pytest.approx(2.25)  # (3 x 2 + 3) / 4
