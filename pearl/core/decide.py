@@ -126,6 +126,13 @@ def _with_borrow(state: ClusterState, borrow: BorrowAction, now_s: float) -> Clu
             gpu_ids=borrow.gpu_ids, lent_at_s=now_s, return_by_s=borrow.return_by_s
         )
         return state.replace(borrow=window)
+    if borrow.kind is BorrowKind.KEEP and state.borrow is not None:
+        assert borrow.return_by_s is not None
+        if borrow.return_by_s != state.borrow.return_by_s:  # the schedule follows the prediction
+            return state.replace(
+                borrow=state.borrow.model_copy(update={"return_by_s": borrow.return_by_s})
+            )
+        return state
     if borrow.kind in (BorrowKind.RETURN, BorrowKind.FORCE_RETURN) and state.borrow is not None:
         assert borrow.return_by_s is not None
         forced = state.borrow.forced or borrow.kind is BorrowKind.FORCE_RETURN

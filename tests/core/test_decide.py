@@ -23,6 +23,7 @@ from pearl.core.plan import Action
 from pearl.core.profile import RuntimeProfile
 from pearl.core.registry import UnknownName
 from pearl.core.state import AllocationStatus
+from pearl.core.workload import WorkloadSnapshot
 from pearl.io.documents import load_profile
 
 WAITING = TrainerStatus(phase=TrainerPhase.WAITING)
@@ -97,6 +98,31 @@ def test_waiting_trainer_lends_then_returns_on_demand(profile: RuntimeProfile) -
     assert not any(g.lent for g in returned.gpus)
     closed = decide(returned, _busy_obs(TRAINING), cfg, profile, 40.0)
     assert closed.state.borrow is None
+
+
+def test_a_lent_window_is_kept_while_the_batch_runs_longer_than_predicted_at_the_lend(
+    profile: RuntimeProfile,
+) -> None:
+    """The return follows each decision's prediction, not the one made at the lend: a
+    batch that runs longer keeps the GPUs (the trainer has nothing to do before it)."""
+    cfg = PolicyConfig()
+    lend = decide(build_state(Layout(1, 1, 0)), _busy_obs(WAITING), cfg, profile, 10.0)
+    lent = apply_plan(lend.state, lend.plan, 10.0)
+    assert lent.borrow is not None
+    planned_s = lent.borrow.return_by_s
+    late_s = planned_s + 5.0  # past the lend's schedule, and the same work still left
+    keep = decide(lent, _busy_obs(WAITING), cfg, profile, late_s)
+    assert keep.borrow.kind is BorrowKind.KEEP, keep.borrow.reason
+    assert keep.state.borrow is not None and keep.state.borrow.return_by_s > planned_s
+    current_s = keep.current.completion_s
+    assert keep.state.borrow.return_by_s == pytest.approx(
+        late_s + current_s - profile.costs.trainer_onload_s
+    )
+    # nothing left to generate: the return starts at once
+    done = Observation(trainer=WAITING, workload=WorkloadSnapshot())
+    back = decide(keep.state, done, cfg, profile, late_s + 1.0)
+    assert back.borrow.kind is BorrowKind.RETURN, back.borrow.reason
+    assert back.state.borrow is not None and back.state.borrow.returning
 
 
 def test_forced_return_migrates_when_draining_is_too_slow(profile: RuntimeProfile) -> None:

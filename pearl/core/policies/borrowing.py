@@ -6,7 +6,9 @@
   beats the return overhead (drain, sleep, onload) by ``min_gain_s``; the window's
   ``return_by_s`` is when rollout must have vacated the GPUs so that the trainer's onload
   ends as the batch is predicted to complete;
-- return on schedule, starting early enough for drain, sleep and the margin;
+- return on schedule, starting early enough for drain, sleep and the margin; the
+  schedule follows each decision's prediction of the running configuration (the one
+  made when lending is stale once the batch runs longer or shorter than predicted);
 - when the trainer needs its GPUs now, force the return: the vacate deadline becomes
   ``now + max_return_delay_s - onload``, and the planner migrates in-flight requests
   wherever draining would miss it. The trainer's wait is thereby bounded by
@@ -52,18 +54,19 @@ def predictive_rule(ctx: DecisionContext) -> BorrowAction:
             return BorrowAction(
                 BorrowKind.RETURN, window.gpu_ids, window.return_by_s, reason="return under way"
             )
-        start_at_s = window.return_by_s - ctx.drain_estimate_s - costs.sleep_s - cfg.return_margin_s
+        return_by_s = _return_by_s(ctx, window.return_by_s)
+        start_at_s = return_by_s - ctx.drain_estimate_s - costs.sleep_s - cfg.return_margin_s
         if now_s >= start_at_s:
             return BorrowAction(
                 BorrowKind.RETURN,
                 window.gpu_ids,
-                window.return_by_s,
-                reason=f"scheduled return (vacate by {window.return_by_s:.1f} s)",
+                return_by_s,
+                reason=f"scheduled return (vacate by {return_by_s:.1f} s)",
             )
         return BorrowAction(
             BorrowKind.KEEP,
             window.gpu_ids,
-            window.return_by_s,
+            return_by_s,
             reason=f"lent until {start_at_s:.1f} s",
         )
     trainer_gpus = ctx.trainer_gpu_ids()
@@ -106,6 +109,18 @@ def predictive_rule(ctx: DecisionContext) -> BorrowAction:
         overhead_s,
         reason=f"lending saves {gain_s:.1f} s for {overhead_s:.1f} s overhead",
     )
+
+
+def _return_by_s(ctx: DecisionContext, lent_return_by_s: float) -> float:
+    """When the lent GPUs must be vacated, from this decision's prediction of the running
+    configuration (the lent GPUs serving): the trainer's onload then ends as the batch
+    completes. The prediction made when they were lent is stale by now: the batch may
+    take longer (keep them longer: the trainer has nothing to do) or less. Without a
+    finite prediction, the lend's own deadline stands."""
+    completion_s = ctx.current_prediction.completion_s
+    if not math.isfinite(completion_s):
+        return lent_return_by_s
+    return ctx.now_s + completion_s - ctx.profile.costs.trainer_onload_s
 
 
 def _same_kind(pool: Sequence[Gpu], lent: Sequence[Gpu]) -> bool:
