@@ -51,6 +51,18 @@ class DecisionContext:
         return prepare(self.obs.workload, self.profile)
 
     @cached_property
+    def lookahead(self) -> DecisionContext | None:
+        """The same decision asked of the next batch and the one after it (the batch the
+        next update admits: ``WorkloadSnapshot.lookahead``), or None when the workload has
+        no such batch. GPUs that cannot shorten the next batch (it is nearly complete) may
+        still shorten the one after: the elastic rule asks both before it lets them go."""
+        ahead = self.obs.workload.lookahead()
+        if ahead is None:
+            return None
+        obs = self.obs.model_copy(update={"workload": ahead})
+        return DecisionContext(self.state, obs, self.cfg, self.profile, self.now_s)
+
+    @cached_property
     def current_prediction(self) -> Prediction:
         config = self.current_config
         if config not in self._predictions:

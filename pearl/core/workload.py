@@ -105,6 +105,11 @@ class NextBatch(Frozen):
         description="The not-started groups begin this long from now (admitted at the end "
         "of the update that runs); when the batch needs them, it completes that much later.",
     )
+    groups_per_batch: TrajectoryCount = Field(
+        0,
+        description="Groups of a whole batch (B / group_size): the next update admits this "
+        "many more, and a lookahead asks for the batch after the next (0: no lookahead).",
+    )
 
 
 class WorkloadSnapshot(Frozen):
@@ -159,6 +164,27 @@ class WorkloadSnapshot(Frozen):
     @property
     def num_unfinished(self) -> int:
         return len(self.trajectories) + self.not_started
+
+    def lookahead(self) -> WorkloadSnapshot | None:
+        """The batch after the next as well: the groups the next update admits (a whole
+        batch, not started, each from the defaults) and the groups of both batches to
+        complete; None without a ``NextBatch`` that knows a batch's groups. The admitted
+        groups are taken to start with the not-started ones (no later), so the lookahead
+        is for comparing GPU pools, not for its absolute time."""
+        nb = self.next_batch
+        if nb is None or nb.groups_per_batch == 0:
+            return None
+        more = nb.groups_per_batch * nb.group_size
+        if self.num_unfinished + more > MAX_TRAJECTORIES:
+            return None
+        return self.model_copy(
+            update={
+                "not_started": self.not_started + more,
+                "next_batch": nb.model_copy(
+                    update={"groups_needed": nb.groups_needed + nb.groups_per_batch}
+                ),
+            }
+        )
 
     def turn_stats(self, defaults: WorkloadDefaults) -> TurnStats:
         if self.stats is not None:

@@ -204,6 +204,7 @@ def snapshot(
             groups_needed=needed,
             group_size=rules.group_size,
             not_started_after_s=update_left_s,
+            groups_per_batch=rules.groups_per_batch,
         ),
     )
 

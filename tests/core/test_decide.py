@@ -23,7 +23,7 @@ from pearl.core.plan import Action
 from pearl.core.profile import RuntimeProfile
 from pearl.core.registry import UnknownName
 from pearl.core.state import AllocationStatus
-from pearl.core.workload import WorkloadSnapshot
+from pearl.core.workload import NextBatch, WorkloadSnapshot
 from pearl.io.documents import load_profile
 
 WAITING = TrainerStatus(phase=TrainerPhase.WAITING)
@@ -265,6 +265,41 @@ def test_a_grant_whose_gpus_gain_nothing_is_released_not_held_idle(
     assert "released 99" in d.elastic.reason
     assert not [s for s in d.plan.steps if s.node == "x1"]
     assert not d.switch.switch
+
+
+def _nearly_done(groups_per_batch: int, events: tuple[AllocationGranted, ...] = ()) -> Observation:
+    """Sixteen trajectories in two groups and the next batch complete (the trainer takes
+    it next): it gains nothing from more GPUs; a batch of ``groups_per_batch`` groups of 8
+    comes after it."""
+    base = build_workload(np.random.default_rng(3), 16)
+    trajs = tuple(
+        t.model_copy(update={"group_id": f"g{i // 8}"}) for i, t in enumerate(base.trajectories)
+    )
+    workload = WorkloadSnapshot(
+        trajectories=trajs,
+        next_batch=NextBatch(groups_needed=0, group_size=8, groups_per_batch=groups_per_batch),
+    )
+    return Observation(trainer=WAITING, workload=workload, events=events)
+
+
+@pytest.mark.parametrize(("groups_per_batch", "released"), [(0, True), (128, False)])
+def test_a_grant_idle_at_a_batch_end_is_kept_for_the_batch_after_it(
+    profile: RuntimeProfile, groups_per_batch: int, released: bool
+) -> None:
+    """Near a batch's end no GPU shortens it, but a node granted now serves the next
+    update's admission: 1,024 fresh trajectories, which more GPUs do finish sooner. The
+    elastic rule asks that lookahead before it gives the node back (without one, as
+    before, it goes back: the simulator's 8B run released three nodes at 114 s and asked
+    Slurm for more at 787 s)."""
+    cfg = PolicyConfig(borrowing=BorrowingConfig(rule="never"))
+    state = settle(build_state(Layout(1, 1, 0)), _nearly_done(0), cfg, profile, 0.0)
+    grant = AllocationGranted(
+        allocation_id="99",
+        end_by_s=5000.0,
+        nodes=(GrantedNode(node="x1", gpu_type="h100", num_gpus=8),),
+    )
+    d = decide(state, _nearly_done(groups_per_batch, (grant,)), cfg, profile, 10.0)
+    assert (d.elastic.releases == ("99",)) is released, d.elastic.reason
 
 
 def test_pending_requests_like_a_grant_that_gains_nothing_are_cancelled_with_it(

@@ -150,8 +150,13 @@ def test_snapshot_of_a_small_ledger(batching: Batching) -> None:
     assert soon.not_started == 4  # (0 + 1 + 1) x 4 - (2 finished + 2 running)
     if grouped:
         assert [t.group_id for t in soon.trajectories] == ["g1", "g1"]
-        assert soon.next_batch == NextBatch(groups_needed=1, group_size=2, not_started_after_s=5.0)
-        assert now.next_batch == NextBatch(groups_needed=1, group_size=2)
+        assert soon.next_batch == NextBatch(
+            groups_needed=1, group_size=2, not_started_after_s=5.0, groups_per_batch=2
+        )
+        assert now.next_batch == NextBatch(groups_needed=1, group_size=2, groups_per_batch=2)
+        ahead = now.lookahead()  # the batch after the next: two more groups, four more trajectories
+        assert ahead is not None and ahead.not_started == now.not_started + 4
+        assert ahead.next_batch == NextBatch(groups_needed=3, group_size=2, groups_per_batch=2)
     else:
         assert [t.group_id for t in soon.trajectories] == [None, None]
         assert soon.next_batch is None and now.next_batch is None

@@ -5,16 +5,19 @@
   window of a grant without one) is at least ``min_window_factor`` cold starts, or when
   engines already run on it; otherwise it is released at once. One that hosts nothing yet
   is released too when the best configuration with it is no better than the best
-  without it (same completion, with and without the transition): held, it would sit idle
-  while every decision said the pool changed; the pending requests for GPUs of its kind
-  are cancelled with it (each, granted, would gain nothing either);
+  without it (same completion, with and without the transition), for the next batch and
+  for the one after it: held, it would sit idle while every decision said the pool
+  changed; the pending requests for GPUs of its kind are cancelled with it (each,
+  granted, would gain nothing either);
 - a preempting allocation leaves the pool: the planner moves its engines off within the
   grace period;
 - while fewer than ``max_allocations`` are pending or held, it requests more when the
   batch time saved per requested GPU beats ``min_gain_s_per_gpu``; the new GPUs serve
   only after a cold start, which the transition estimate of the candidates with them
-  includes (Slurm's queueing delay is not). It looks at the current batch only: the
-  next batches would benefit too, so the rule errs on the side of asking for less.
+  includes (Slurm's queueing delay is not). Where the next batch gains nothing (it is
+  nearly complete), the batch after it is asked too (``DecisionContext.lookahead``: the
+  groups the next update admits): GPUs granted now serve it. An idle grant is released
+  only when it gains nothing on either.
 
 Invariant: never more requests than the room under ``max_allocations``.
 """
@@ -22,6 +25,7 @@ Invariant: never more requests than the room under ``max_allocations``.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Iterable
 
 from pearl.core.context import DecisionContext
@@ -58,13 +62,15 @@ def _marginal_gain(ctx: DecisionContext) -> tuple[ElasticAction, tuple[str, ...]
     if room <= 0 or ctx.obs.workload.num_unfinished == 0 or cfg.gpu_type not in ctx.profile.gpus:
         why = "at the allocation cap" if room <= 0 else "nothing to gain"
         return ElasticAction(releases=unused, reason=why), idle
-    pool = ctx.rollout_gpus(lent, unused)
-    now = ctx.select(pool).best.effective_s
     extra_nodes = [(cfg.gpu_type, cfg.gpus_per_allocation)] * room
-    more = ctx.select(pool, extra_nodes=extra_nodes).best.effective_s
-    if now == float("inf") or more == float("inf"):
+    gain_s = _request_gain_s(ctx, lent, unused, extra_nodes)
+    if gain_s <= cfg.min_gain_s_per_gpu * room * cfg.gpus_per_allocation:
+        ahead = ctx.lookahead  # GPUs granted now serve the batch after the next too
+        if ahead is not None:
+            gain_s = max(gain_s, _request_gain_s(ahead, lent, unused, extra_nodes))
+    if math.isnan(gain_s):
         return ElasticAction(releases=unused, reason="no feasible prediction"), idle
-    gain_per_gpu_s = (now - more) / (room * cfg.gpus_per_allocation)
+    gain_per_gpu_s = gain_s / (room * cfg.gpus_per_allocation)
     if gain_per_gpu_s <= cfg.min_gain_s_per_gpu:
         return ElasticAction(
             releases=unused,
@@ -83,6 +89,22 @@ def _marginal_gain(ctx: DecisionContext) -> tuple[ElasticAction, tuple[str, ...]
     ), idle
 
 
+def _request_gain_s(
+    ctx: DecisionContext,
+    lent: Iterable[str],
+    unused: tuple[str, ...],
+    extra_nodes: list[tuple[str, int]],
+) -> float:
+    """Batch time saved by ``extra_nodes`` more (NaN where either side has no feasible
+    prediction)."""
+    pool = ctx.rollout_gpus(lent, unused)
+    now = ctx.select(pool).best.effective_s
+    more = ctx.select(pool, extra_nodes=extra_nodes).best.effective_s
+    if math.isinf(now) or math.isinf(more):
+        return math.nan
+    return now - more
+
+
 def _gaining_nothing(
     ctx: DecisionContext,
     elastic: list[Allocation],
@@ -91,18 +113,28 @@ def _gaining_nothing(
     released: tuple[str, ...],
 ) -> tuple[str, ...]:
     """Granted allocations that host nothing and whose GPUs the best configuration gains
-    nothing from: no better with them than without, by the selection's own ranking."""
+    nothing from: no better with them than without, by the selection's own ranking, for
+    the next batch and for the one after it (the lookahead)."""
     idle: tuple[str, ...] = ()
     for a in elastic:
         if a.status is not AllocationStatus.GRANTED or a.allocation_id in hosting:
             continue
         if a.allocation_id in released:
             continue
-        with_it = ctx.select(ctx.rollout_gpus(lent, (*released, *idle))).best
-        without = ctx.select(ctx.rollout_gpus(lent, (*released, *idle, a.allocation_id))).best
-        if _rank_key(with_it) >= _rank_key(without):
-            idle += (a.allocation_id,)
+        if not _gains(ctx, lent, (*released, *idle), a.allocation_id):
+            ahead = ctx.lookahead  # it may shorten the batch after the next instead
+            if ahead is None or not _gains(ahead, lent, (*released, *idle), a.allocation_id):
+                idle += (a.allocation_id,)
     return idle
+
+
+def _gains(
+    ctx: DecisionContext, lent: Iterable[str], released: tuple[str, ...], allocation_id: str
+) -> bool:
+    """The best configuration with the allocation's GPUs is better than without them."""
+    with_it = ctx.select(ctx.rollout_gpus(lent, released)).best
+    without = ctx.select(ctx.rollout_gpus(lent, (*released, allocation_id))).best
+    return _rank_key(with_it) < _rank_key(without)
 
 
 def _pending_like(elastic: list[Allocation], idle: tuple[str, ...]) -> tuple[str, ...]:
