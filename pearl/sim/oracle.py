@@ -143,17 +143,22 @@ class OracleBound:
         return self.trajectories / (duration_s / 3600.0)
 
 
-def _engines(profile: RuntimeProfile, gpu_types: set[str]) -> list[EngineProfile]:
-    return [e for t in gpu_types if t in profile.gpus for e in profile.gpus[t].engines]
+def run_engines(
+    scenario: Scenario, profile: RuntimeProfile, windows: tuple[Window, ...]
+) -> list[EngineProfile]:
+    """Every engine of every GPU type the run can hold (trainer, rollout, elastic)."""
+    c = scenario.cluster
+    types = {c.trainer.gpu_type, c.rollout.gpu_type} | {w.gpu_type for w in windows}
+    return [e for t in sorted(types) if t in profile.gpus for e in profile.gpus[t].engines]
 
 
-def _first_engine_s(profile: RuntimeProfile) -> float:
+def first_engine_s(profile: RuntimeProfile) -> float:
     """The soonest any GPU serves: a cold start, or the trainer's offload and a wake."""
     costs = profile.costs
     return min(costs.engine_cold_start_s, costs.trainer_offload_s + costs.wake_s)
 
 
-def _train_s(scenario: Scenario, profile: RuntimeProfile) -> float:
+def train_step_s(scenario: Scenario, profile: RuntimeProfile) -> float:
     step_s = scenario.training.train_step_s
     return step_s if step_s is not None else profile.costs.train_step_s
 
@@ -182,16 +187,15 @@ def oracle_bound(
     if scenario.rollout.batching is Batching.IN_ORDER:
         return _in_order_bound(scenario, profile, windows, stream)
     c = scenario.cluster
-    types = {c.trainer.gpu_type, c.rollout.gpu_type} | {w.gpu_type for w in windows}
-    first_s = _first_engine_s(profile)
+    first_s = first_engine_s(profile)
     b = first_completed_bound(
         scenario.rollout.rules(),
         duration_s=scenario.duration_s,
-        train_s=_train_s(scenario, profile),
+        train_s=train_step_s(scenario, profile),
         first_engine_s=first_s,
         trainer_gpus=c.trainer.gpus,
         supply=GpuSupply(scenario.base_gpus, windows, first_s),
-        engines=_engines(profile, types),
+        engines=run_engines(scenario, profile, windows),
         stream=stream,
     )
     return OracleBound(
@@ -215,9 +219,7 @@ def _in_order_bound(
 ) -> OracleBound:
     """Steps 1 and 2 of the module docstring."""
     T = scenario.duration_s
-    c = scenario.cluster
-    types = {c.trainer.gpu_type, c.rollout.gpu_type} | {w.gpu_type for w in windows}
-    engines = _engines(profile, types)
+    engines = run_engines(scenario, profile, windows)
     batch_sizes = np.arange(1, max(e.max_num_seqs for e in engines) + 1)
     # The fastest step of any batch size (a profile need not make it batch 1's).
     decode_token_s = min(
@@ -234,8 +236,8 @@ def _in_order_bound(
         for e in engines
     )
     prefill_gpu_s = min(e.tp * e.prefill.b_s_per_token for e in engines)
-    first_engine_s = _first_engine_s(profile)
-    train_s = _train_s(scenario, profile)
+    first_s = first_engine_s(profile)
+    train_s = train_step_s(scenario, profile)
     B, k = scenario.rollout.batch_trajectories, scenario.rollout.staleness_versions
 
     def own_s(spec: TrajectorySpec) -> float:
@@ -252,7 +254,7 @@ def _in_order_bound(
     for j, spec in enumerate(stream):
         b = j // B
         if b == len(batch_start):
-            start = first_engine_s if b <= k else batch_end[b - k - 1] + train_s
+            start = first_s if b <= k else batch_end[b - k - 1] + train_s
             if start > T:
                 break
             batch_start.append(start)
