@@ -4,8 +4,12 @@ Every policy sees the same seeded trajectory stream (trajectory ``j`` is the sam
 every run of a seed), the same GPUs and the same rollout rules (``pearl.rollout.rules``).
 The oracle bounds the number of trajectories finished by the end of the run ``T``, with
 one argument per batching. Both leave out costs every run pays (transitions, queueing, KV
-limits, contention), so the oracle is loose by those; ``tests/sim/test_oracle.py`` checks
-that no simulated policy exceeds it.
+limits, contention), so the oracle is loose by those. The first-completed one is tight
+for its relaxation: the rollout ledger replayed with every trajectory at its own time
+from its admission (``pearl.sim.oracle_replay``) reaches it on the shipped scenarios, so
+its slack is what the GPUs cost a trajectory beyond the best engine alone
+(``docs/baselines.md``). ``tests/sim/test_oracle.py``, ``test_oracle_soundness.py`` and
+``test_oracle_replay.py`` check that no simulated policy, and no such replay, exceeds it.
 
 **In order** (``batching: in-order``; today's bound, unchanged bit for bit). Two bounds;
 the oracle is the smaller:
