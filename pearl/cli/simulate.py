@@ -27,10 +27,9 @@ from pearl.io.simulation import run_inputs
 from pearl.runlog.jsonl import RunLogWriter
 from pearl.sim.baselines import REPORTED, make_policy
 from pearl.sim.metrics import RunMetrics
-from pearl.sim.oracle import OracleBound, oracle_bound
+from pearl.sim.oracle import OracleBound, run_oracle_bound
 from pearl.sim.report import compare, runs_needed, table
-from pearl.sim.rollout import trajectory_stream
-from pearl.sim.runner import RunInputs, simulate, trajectory_rng
+from pearl.sim.runner import RunInputs, simulate
 from pearl.sim.scenario import Scenario
 
 
@@ -145,10 +144,7 @@ def run_seed(
     """Every named policy's run of one seed (``run_one``: how a run is made; by default
     without a log) and the oracle's bound on that seed's trajectories."""
     inputs = run_inputs(scenario, profile, seed)
-    stream = trajectory_stream(
-        inputs.trajectory_model, trajectory_rng(seed), scenario.rollout.max_context_tokens
-    )
-    bound = oracle_bound(scenario, profile, inputs.windows, stream)
+    bound = run_oracle_bound(inputs)
     if run_one is None:
 
         def run_one(name: str, inputs: RunInputs) -> RunMetrics:

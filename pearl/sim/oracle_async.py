@@ -136,6 +136,16 @@ def blend_prices(gpus: int, in_flight: float) -> tuple[float, ...]:
     return tuple(mid * 2.0**k for k in range(-6, 7))
 
 
+def max_admitted(rules: RolloutRules, updates: int) -> int:
+    """F2: the most stream slots admitted while ``updates`` updates are done. Admission
+    keeps running + accepted within ``(η + updates + 1) B``, and only ``drop`` takes a
+    trajectory out of that sum (``interrupt`` and ``restart`` start one past the bound
+    again); a drop frees at most ``η B`` every ``η + 1`` updates."""
+    B, eta = rules.batch_trajectories, rules.max_staleness_versions
+    dropped = eta * B * (updates // (eta + 1)) if rules.past_bound is PastBound.DROP else 0
+    return (eta + updates + 1) * B + dropped
+
+
 def first_completed_bound(
     rules: RolloutRules,
     *,
@@ -154,17 +164,17 @@ def first_completed_bound(
     eta, G = rules.max_staleness_versions, rules.groups_per_batch
     restart = rules.past_bound is PastBound.RESTART
     in_flight = float((eta + 1) * B)  # F6: running <= (η + 1) B, and <= max_in_flight
+    capped = rules.max_in_flight is not None and rules.max_in_flight < in_flight
     if rules.max_in_flight is not None:
         in_flight = min(in_flight, float(rules.max_in_flight))
     mus = blend_prices(supply.base_gpus, in_flight)
     model = CostModel(engines, mus)
     smallest = model.costs([SMALLEST_TRAJECTORY])  # a restart's fresh sample, at least
-    own_min_s, work_min_gpu_s = float(smallest.own_s[0]), float(smallest.work_gpu_s[0])
-    blended_min_gpu_s = smallest.blended_gpu_s[0]
-
-    def admitted_max(u: int) -> int:  # F2: slots admitted while u updates are done, at most
-        dropped = 0 if restart else eta * B * (u // (eta + 1))
-        return (eta + u + 1) * B + dropped
+    finish_min_s, work_min_gpu_s = float(smallest.own_s[0]), float(smallest.work_gpu_s[0])
+    # in flight (F6, F8): a restart's last run is admitted by no one, so max_in_flight does
+    # not cap it: there it counts nothing
+    own_min_s = 0.0 if capped else finish_min_s
+    blended_min_gpu_s = np.full(len(mus), work_min_gpu_s) if capped else smallest.blended_gpu_s[0]
 
     slots = _Slots(stream, model, g)
     ends_s = [0.0]  # ends_s[u]: the earliest end of update u (phase 0 opens at 0)
@@ -174,7 +184,7 @@ def first_completed_bound(
     def grow(u: int) -> int:
         """Make the slots of phases <= u eligible (``ends_s[u]`` known); their count."""
         nonlocal phase, start_s
-        n = slots.ensure(admitted_max(u))
+        n = slots.ensure(max_admitted(rules, u))
         old = len(phase)
         if n > old:
             phase = np.concatenate((phase, np.full(n - old, u, dtype=np.int64)))
@@ -193,7 +203,7 @@ def first_completed_bound(
             can = r <= u
             if can.any():
                 alt = np.full(n, math.inf)
-                alt[can] = np.asarray(ends_s)[r[can]] + own_min_s
+                alt[can] = np.asarray(ends_s)[r[can]] + finish_min_s
                 finish = np.minimum(finish, alt)
                 work = np.where(can, np.minimum(work, work_min_gpu_s), work)
                 own = np.where(can, np.minimum(own, own_min_s), own)
@@ -232,7 +242,7 @@ def first_completed_bound(
         by_admission = (eta + u + 1) * B
         if best is not None and by_admission <= best.trajectories:
             break
-        n = min(admitted_max(u), len(phase))  # the loop made them eligible
+        n = min(max_admitted(rules, u), len(phase))  # the loop made them eligible
         finish, work, own, blended = costs_at(u, n)
         done = finish <= T
         gpu_s = supply.gpu_s_by(T) - trainer_gpus * u * train_s

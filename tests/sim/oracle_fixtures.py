@@ -1,5 +1,6 @@
 """Inputs for the oracle tests (a plain module): a toy profile whose costs are round
-numbers, small scenarios on it, and hand-made trajectories.
+numbers, small scenarios on it, and hand-made trajectories; and the shipped scenarios,
+cut short or varied (``variant``).
 
 The toy engine (one GPU type ``toy``, tp 1): prefill costs nothing; a decode step lasts
 0.01 s whatever its batch (at most 4 sequences) and context. So a trajectory of ``o``
@@ -10,6 +11,7 @@ trainer's 1 s offload and a 1 s wake, cheaper than the 5 s cold start).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from pearl.core.profile import (
@@ -23,6 +25,7 @@ from pearl.core.profile import (
     TransitionCosts,
     WorkloadDefaults,
 )
+from pearl.io.scenarios import load_scenario_and_profile
 from pearl.sim.scenario import Scenario
 from pearl.sim.trajectories import TrajectorySpec
 
@@ -103,3 +106,55 @@ def spec(own_s: float) -> TrajectorySpec:
     """A one-turn trajectory of one prompt token whose own time on the toy engine is
     ``own_s`` (``100 own_s`` output tokens, no tool)."""
     return TrajectorySpec(1, (0,), (round(own_s / STEP_S),), ())
+
+
+# --- the shipped scenarios and variants of them -------------------------------------------
+
+SCENARIOS = Path(__file__).resolve().parents[2] / "benchmarks" / "scenarios"
+SHIPPED = {"8b": "qwen3-8b", "30b": "qwen3-30b-a3b"}
+
+LARGE_ELASTIC = {  # synthetic grants of 8 GPUs, about 4 open at once, up to 64
+    "gpu_type": "h800",
+    "arrivals_per_h": 12.0,
+    "lifetime_median_s": 3000.0,
+    "lifetime_sigma": 1.0,
+    "gpus_per_allocation": 8,
+    "max_gpus": 64,
+}
+
+
+def shipped(model: str, duration_s: float) -> tuple[Scenario, RuntimeProfile]:
+    """A shipped scenario (``benchmarks/scenarios``), cut to ``duration_s``."""
+    sc, prof = load_scenario_and_profile(SCENARIOS / f"{SHIPPED[model]}.yaml")
+    return sc.model_copy(update={"duration_s": duration_s}), prof
+
+
+def variant(
+    model: str,
+    *,
+    duration_s: float,
+    output_tokens_per_turn: float | None = None,
+    env_latency_s: float | None = None,
+    elastic: str = "none",
+    batch: int = 64,
+    **rollout: Any,
+) -> tuple[Scenario, RuntimeProfile]:
+    """A shipped scenario on one trainer and one rollout node with a batch of ``batch``:
+    these workload means (None: the data's), elastic GPUs ``none`` or ``large``
+    (``LARGE_ELASTIC``), and these rollout fields (group_size, batching, past_bound,
+    max_in_flight)."""
+    sc, prof = shipped(model, duration_s)
+    doc = sc.model_dump()
+    doc["cluster"]["trainer"]["nodes"] = doc["cluster"]["rollout"]["nodes"] = 1
+    doc["rollout"].update(batch_trajectories=batch, **rollout)
+    doc["rollout"]["workload"].update(
+        output_tokens_per_turn=output_tokens_per_turn, env_latency_s=env_latency_s
+    )
+    el = doc["elastic"]
+    el.update(trace=None, synthetic=None)
+    if elastic == "large":
+        el.update(source="synthetic", synthetic=LARGE_ELASTIC)
+        doc["policy"]["elastic"].update(gpus_per_allocation=8, max_allocations=8)
+    else:
+        el["source"] = "none"
+    return Scenario.model_validate(doc), prof
