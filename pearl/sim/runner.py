@@ -350,7 +350,10 @@ class Simulation:
         if self.rollout.in_order:
             first = next(iter(self.rollout.in_flight.values()), None)
             self.ledger.finished_below(at_s, first.index if first else self.rollout.num_started)
-        return self._batch_complete(batch, at_s)
+        out = self._batch_complete(batch, at_s)
+        if self.rollout.rules.max_in_flight is not None:  # a running slot is free again
+            out += self._start_trajectories(at_s)
+        return out
 
     def _batch_complete(self, batch: BatchRecord | None, now_s: float) -> Follow:
         """The next batch has just become complete (``batch``), or nothing happened."""
