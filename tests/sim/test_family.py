@@ -17,6 +17,7 @@ from pearl.io.scenarios import load_scenario
 from pearl.sim.availability import GPUS_PER_NODE
 from pearl.sim.family import (
     LONG_WINDOW,
+    OVERSUBSCRIPTION,
     SHORT_WINDOW,
     BaseScenario,
     canonical,
@@ -34,7 +35,7 @@ BASE = BaseScenario("b", rollout_gpus=32, trainer_gpu_type="h800", elastic_gpu_t
 
 @pytest.mark.parametrize("window", [LONG_WINDOW, SHORT_WINDOW])
 @pytest.mark.parametrize("factor", [0.5, 1.0, 2.0])
-def test_elastic_supply_opens_factor_times_the_base_rollout_gpus_on_average(
+def test_elastic_supply_is_capped_at_factor_times_the_base_rollout_gpus_and_oversubscribed(
     factor: float, window: tuple[float, float]
 ) -> None:
     fields = dict(elastic_supply(BASE, factor, window))
@@ -45,7 +46,7 @@ def test_elastic_supply_opens_factor_times_the_base_rollout_gpus_on_average(
     median_s, sigma = window
     assert (syn["lifetime_median_s"], syn["lifetime_sigma"]) == window
     mean_open_nodes = syn["arrivals_per_h"] * median_s * math.exp(sigma**2 / 2) / 3600
-    assert mean_open_nodes * GPUS_PER_NODE == pytest.approx(cap_gpus, rel=1e-5)
+    assert mean_open_nodes * GPUS_PER_NODE == pytest.approx(OVERSUBSCRIPTION * cap_gpus, rel=1e-5)
 
 
 def test_no_supply_is_no_elastic_source() -> None:
