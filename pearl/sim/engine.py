@@ -62,6 +62,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -152,6 +153,8 @@ class EngineModel:
         self._prefilling: dict[_Seq, None] = {}  # running with a partly computed prompt
         self._by_id: dict[str, _Seq] = {}
         self.num_requests = 0  # running and waiting: len(self._by_id), read per route
+        # called after every change of num_requests (a router's index of loads)
+        self.on_requests_changed: Callable[[], None] | None = None
         self._accepting = True
         self._dec = 0  # decode steps run by the decoding sequences, lazily applied
         self._ctx = 0  # true num_tokens summed over the decoding sequences
@@ -253,6 +256,8 @@ class EngineModel:
         self._waiting.append(seq)
         self._by_id[request.request_id] = seq
         self.num_requests += 1
+        if self.on_requests_changed is not None:
+            self.on_requests_changed()
 
     def abort(self, request_id: str) -> PartialOutput | None:
         """Take one request off, wherever it is; None if it is not here."""
@@ -559,12 +564,16 @@ class EngineModel:
     def _retire(self, seq: _Seq) -> None:
         del self._by_id[seq.request.request_id]
         self.num_requests -= 1
+        if self.on_requests_changed is not None:
+            self.on_requests_changed()
         self._remove_running(seq)
         self._release(seq)
 
     def _forget(self, seq: _Seq) -> PartialOutput:
         del self._by_id[seq.request.request_id]
         self.num_requests -= 1
+        if self.on_requests_changed is not None:
+            self.on_requests_changed()
         return PartialOutput(seq.request, seq.num_generated)
 
     def _take_waiting(self) -> tuple[PartialOutput, ...]:
