@@ -8,7 +8,8 @@ whenever a member's load may have changed (a request submitted, finished, aborte
 sent on its way to it), and ``least()`` pops the keys that no longer hold.
 ``CandidateLoads`` holds one index for the entries and one for the decode instances of a
 ``routing.Candidates``, and is what ``routing.route_turn`` and ``routing.route_decode``
-take as their ``order``.
+take as their ``order``; its changes are reported by appending to a list, applied at the
+next query.
 
 Invariants: the members are fixed at construction (a router builds a new index when its
 candidates change); ``least()`` is ``routing.least_loaded`` of the members as long as
@@ -44,6 +45,9 @@ class LoadIndex:
     def __len__(self) -> int:
         return len(self._views)
 
+    def worker_ids(self) -> list[str]:
+        return list(self._views)
+
     def _rebuild(self) -> None:
         self._stamp += 1
         stamp = self._stamp
@@ -78,18 +82,45 @@ class LoadIndex:
 
 
 class CandidateLoads:
-    """The least-loaded entry and decode instance of one set of candidates."""
+    """The least-loaded entry and decode instance of one set of candidates.
 
-    def __init__(self, entries: Iterable[InstanceLoad], decodes: Iterable[InstanceLoad]) -> None:
+    Changes are reported by appending the view to ``changes`` (a list the owner may share
+    with whatever changes loads, and append to without a call into this class: a bound
+    ``list.append`` costs next to nothing); they are applied at the next query. Building
+    one reads every member's load afresh and empties ``changes``."""
+
+    def __init__(
+        self,
+        entries: Iterable[InstanceLoad],
+        decodes: Iterable[InstanceLoad],
+        changes: list[InstanceLoad] | None = None,
+    ) -> None:
+        self.changes: list[InstanceLoad] = changes if changes is not None else []
+        self.changes.clear()
         self._entries = LoadIndex(entries)
         self._decodes = LoadIndex(decodes)
+        self._index_of: dict[str, LoadIndex] = {}
+        for index in (self._entries, self._decodes):
+            for wid in index.worker_ids():
+                self._index_of[wid] = index
 
     def changed(self, view: InstanceLoad) -> None:
-        self._entries.changed(view)
-        self._decodes.changed(view)
+        self.changes.append(view)
+
+    def _apply(self) -> None:
+        index_of = self._index_of
+        for view in self.changes:
+            index = index_of.get(view.worker_id)
+            if index is not None:
+                index.changed(view)
+        self.changes.clear()
 
     def least_loaded_entry(self) -> InstanceLoad | None:
+        if self.changes:
+            self._apply()
         return self._entries.least()
 
     def least_loaded_decode(self) -> InstanceLoad | None:
+        if self.changes:
+            self._apply()
         return self._decodes.least()

@@ -51,7 +51,7 @@ from pearl.core.roles import Role
 from pearl.serving import routing
 from pearl.serving.load_index import CandidateLoads
 from pearl.serving.requests import PartialOutput, Request
-from pearl.serving.views import InstanceQueue
+from pearl.serving.views import InstanceLoad, InstanceQueue
 from pearl.sim.engine import EngineModel, EngineStepResult, KvHandoff
 
 MAX_STEPS_PER_CALL = 4096
@@ -104,6 +104,7 @@ class Fleet:
         self._engines: frozenset[EngineProfile] | None = None
         self._candidates: routing.Candidates | None = None  # until membership changes
         self._loads: CandidateLoads | None = None  # their least loaded, kept as loads change
+        self._load_changes: list[InstanceLoad] = []  # loads changed since the last route
         # the output tokens of the requests finished so far (the router's observation)
         self.finished_requests = 0
         self.finished_output_tokens = 0
@@ -115,7 +116,7 @@ class Fleet:
     ) -> Instance:
         engine = EngineModel.from_profile(role, self.profile, gpu_type, tp)
         inst = Instance(worker_id, role, gpu_type, node, tp, engine, version)
-        engine.on_requests_changed = partial(self._changed, inst)
+        engine.on_requests_changed = partial(self._load_changes.append, inst)
         self.instances[worker_id] = inst
         self._engines = self._candidates = self._loads = None
         return inst
@@ -152,16 +153,12 @@ class Fleet:
     def loads(self) -> CandidateLoads:
         """The candidates' least-loaded entry and decode instance (``routing.LoadOrder``),
         kept as their loads change: every change of an instance's load (``Instance.load``)
-        is reported to it, by its engine (``EngineModel.on_requests_changed``) and by
-        ``expect`` and ``arrive``."""
+        is appended to its list of changes, by the engine (``EngineModel.on_requests_changed``)
+        and by ``expect`` and ``arrive``."""
         if self._loads is None:
             cands = self.candidates()
-            self._loads = CandidateLoads(cands.entries, cands.decodes)
+            self._loads = CandidateLoads(cands.entries, cands.decodes, self._load_changes)
         return self._loads
-
-    def _changed(self, inst: Instance) -> None:
-        if self._loads is not None:
-            self._loads.changed(inst)
 
     def entry_ids(self) -> list[str]:
         """Accepting instances a new turn may start on."""
@@ -230,11 +227,11 @@ class Fleet:
         """A request will reach ``inst`` at ``arrival_s``: bound its multi-step runs."""
         heapq.heappush(inst.due, (arrival_s, request_id))
         inst.num_assigned += 1
-        self._changed(inst)
+        self._load_changes.append(inst)
 
     def arrive(self, inst: Instance) -> None:
         inst.num_assigned -= 1
-        self._changed(inst)
+        self._load_changes.append(inst)
 
     # --- steps ---------------------------------------------------------------------------
 
