@@ -11,7 +11,9 @@ and the accepting decode instances. They change only when an instance joins, lea
 stops accepting, so a router keeps them between those changes.
 
 **Least loaded** (``least_loaded``): the fewest requests running, waiting and incoming;
-ties go to the smallest worker id, so a route is deterministic.
+ties go to the smallest worker id, so a route is deterministic. The rules scan the
+candidates for it unless given a ``LoadOrder`` that keeps it as loads change (the
+simulator's fleet does: ``pearl.serving.load_index``).
 
 **Prefill -> decode** (``route_decode``): a prefill instance's KV handoff goes to the
 least-loaded decode instance.
@@ -66,6 +68,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from operator import attrgetter
+from typing import Protocol
 
 from pearl.core.profile import EngineProfile
 from pearl.core.roles import Role
@@ -83,6 +86,22 @@ class Candidates:
     entries: tuple[InstanceLoad, ...]
     decodes: tuple[InstanceLoad, ...]
     entry_ids: frozenset[str]
+
+    def least_loaded_entry(self) -> InstanceLoad | None:
+        return least_loaded(self.entries)
+
+    def least_loaded_decode(self) -> InstanceLoad | None:
+        return least_loaded(self.decodes)
+
+
+class LoadOrder(Protocol):
+    """The least-loaded entry and decode instance of a ``Candidates`` (``least_loaded``'s
+    rule). ``Candidates`` itself scans them; a router with many instances may keep them
+    as loads change instead (``pearl.serving.load_index.CandidateLoads``)."""
+
+    def least_loaded_entry(self) -> InstanceLoad | None: ...
+
+    def least_loaded_decode(self) -> InstanceLoad | None: ...
 
 
 def candidates(loads: Iterable[InstanceLoad]) -> Candidates:
@@ -115,6 +134,7 @@ def route_turn(
     prefix_tokens: int,
     queue_of: Callable[[str], InstanceQueue],
     engines: Collection[EngineProfile] = (),
+    order: LoadOrder | None = None,
 ) -> str | None:
     """The instance a turn of ``prompt_tokens`` and about ``output_tokens`` output goes
     to, or None (park it).
@@ -127,8 +147,11 @@ def route_turn(
     engine profiles of every candidate (a superset will do): a home whose expected turn
     beats the fastest any of them could do recomputing the whole prompt, alone, keeps the
     turn without the search for the alternative (the same answer, since no alternative can
-    do better).
+    do better). ``order``, when given, finds the least-loaded entry and decode instance
+    of ``among`` (it must agree with ``among``'s own scan).
     """
+    if order is None:
+        order = among
     home_s: float | None = None
     is_home = home is not None and home.worker_id in among.entry_ids
     if home is not None and is_home and home.role is Role.COLOCATED and engines:
@@ -139,14 +162,14 @@ def route_turn(
         floor_s += output_tokens * fastest_token_s(engines, prompt_tokens)
         if home_s <= floor_s:
             return home.worker_id
-    alternative = least_loaded(among.entries)
+    alternative = order.least_loaded_entry()
     if alternative is None:
         return None
     if home is None or not is_home or home.worker_id == alternative.worker_id:
         return alternative.worker_id
     decode_id = None
     if home.role is Role.PREFILL or alternative.role is Role.PREFILL:
-        decode_id = route_decode(among)
+        decode_id = route_decode(among, order)
     if home_s is None:
         home_s = _turn_s(home, prefix_tokens, prompt_tokens, output_tokens, queue_of, decode_id)
     alternative_s = _turn_s(alternative, 0, prompt_tokens, output_tokens, queue_of, decode_id)
@@ -170,7 +193,7 @@ def _turn_s(
     return turn_s(ready_s, queue, prompt_tokens, output_tokens)
 
 
-def route_decode(among: Candidates) -> str | None:
+def route_decode(among: Candidates, order: LoadOrder | None = None) -> str | None:
     """The decode instance a prefill's KV goes to: the least-loaded accepting one."""
-    best = least_loaded(among.decodes)
+    best = (order if order is not None else among).least_loaded_decode()
     return best.worker_id if best is not None else None

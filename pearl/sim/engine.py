@@ -62,6 +62,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -152,6 +153,8 @@ class EngineModel:
         self._prefilling: dict[_Seq, None] = {}  # running with a partly computed prompt
         self._by_id: dict[str, _Seq] = {}
         self.num_requests = 0  # running and waiting: len(self._by_id), read per route
+        # called after every change of num_requests (a router's index of loads)
+        self.on_requests_changed: Callable[[], None] | None = None
         self._accepting = True
         self._dec = 0  # decode steps run by the decoding sequences, lazily applied
         self._ctx = 0  # true num_tokens summed over the decoding sequences
@@ -159,6 +162,7 @@ class EngineModel:
         self._hist = [0] * (2 * BLOCK_TOKENS)
         self._heap: list[tuple[int, int, _Seq]] = []  # (finish at _dec, order, seq)
         self._order = 0
+        self._queued: tuple[int, int] | None = None  # queued_prefill() until a change
 
     @classmethod
     def from_profile(
@@ -202,7 +206,10 @@ class EngineModel:
         """The prefill work ahead of a request queued now: the prompt tokens still to
         compute of the sequences prefilling and waiting (a waiting one less the prefix it
         would reuse now, or the KV that arrived for it), and the token pairs their
-        attention computes (``(p + n)**2 - p**2`` for ``n`` new after ``p`` computed)."""
+        attention computes (``(p + n)**2 - p**2`` for ``n`` new after ``p`` computed).
+        Kept until the next step, submit or abort (nothing else changes it)."""
+        if self._queued is not None:
+            return self._queued
         tokens = 0
         pairs = 0
         for seq in self._prefilling:
@@ -215,7 +222,8 @@ class EngineModel:
             p = max(hit, min(seq.kv_ready_tokens, e))
             tokens += e - p
             pairs += e * e - p * p
-        return tokens, pairs
+        self._queued = (tokens, pairs)
+        return self._queued
 
     def num_generated(self, request_id: str) -> int:
         seq = self._by_id[request_id]
@@ -250,15 +258,19 @@ class EngineModel:
         if blocks_for(peak) > self.kv.num_blocks:
             raise ValueError(f"{request.request_id}: {peak} tokens never fit the KV cache")
         seq = _Seq(request, request.context_tokens, kv_ready_tokens=request.kv_ready_tokens)
+        self._queued = None
         self._waiting.append(seq)
         self._by_id[request.request_id] = seq
         self.num_requests += 1
+        if self.on_requests_changed is not None:
+            self.on_requests_changed()
 
     def abort(self, request_id: str) -> PartialOutput | None:
         """Take one request off, wherever it is; None if it is not here."""
         seq = self._by_id.get(request_id)
         if seq is None:
             return None
+        self._queued = None
         if seq in self._running:
             self._remove_running(seq)
             self._release(seq)
@@ -270,10 +282,12 @@ class EngineModel:
         """Stop accepting requests and hand back the queued ones; running ones finish
         (a sequence preempted while draining is recomputed here, not handed back)."""
         self._accepting = False
+        self._queued = None
         return self._take_waiting()
 
     def abort_all(self) -> tuple[PartialOutput, ...]:
         """Take every request off (running first, oldest first), e.g. before a switch."""
+        self._queued = None
         running = list(self._running)
         for seq in running:
             self._remove_running(seq)
@@ -291,6 +305,7 @@ class EngineModel:
         within ``max_duration_s`` (at least one step is always run)."""
         if not (self._running or self._waiting):
             return IDLE_STEP
+        self._queued = None
         if max_steps > 1:
             num_steps = self._stable_decode_steps(max_steps)
             if num_steps > 1:
@@ -559,12 +574,16 @@ class EngineModel:
     def _retire(self, seq: _Seq) -> None:
         del self._by_id[seq.request.request_id]
         self.num_requests -= 1
+        if self.on_requests_changed is not None:
+            self.on_requests_changed()
         self._remove_running(seq)
         self._release(seq)
 
     def _forget(self, seq: _Seq) -> PartialOutput:
         del self._by_id[seq.request.request_id]
         self.num_requests -= 1
+        if self.on_requests_changed is not None:
+            self.on_requests_changed()
         return PartialOutput(seq.request, seq.num_generated)
 
     def _take_waiting(self) -> tuple[PartialOutput, ...]:

@@ -16,18 +16,13 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 E = TypeVar("E")
 
-
-@dataclass(frozen=True, order=True)
-class Scheduled(Generic[E]):
-    time_s: float
-    priority: int
-    seq: int
-    event: E = field(compare=False)
+# (time_s, priority, seq, event): plain tuples compare in C; ``seq`` is unique, so the
+# event itself is never compared
+_Scheduled = tuple[float, int, int, E]
 
 
 class EventLoop(Generic[E]):
@@ -35,7 +30,7 @@ class EventLoop(Generic[E]):
 
     def __init__(self, start_s: float = 0.0) -> None:
         self.now_s = start_s
-        self._heap: list[Scheduled[E]] = []
+        self._heap: list[_Scheduled[E]] = []
         self._next_seq = 0
         self.num_processed = 0
 
@@ -45,11 +40,15 @@ class EventLoop(Generic[E]):
     def schedule(self, time_s: float, event: E, priority: int = 0) -> None:
         if time_s < self.now_s:
             raise ValueError(f"event at {time_s} s scheduled in the past (now {self.now_s} s)")
-        heapq.heappush(self._heap, Scheduled(time_s, priority, self._next_seq, event))
+        heapq.heappush(self._heap, (time_s, priority, self._next_seq, event))
         self._next_seq += 1
 
+    def pending(self) -> list[tuple[float, E]]:
+        """The events still to happen with their times, in no particular order."""
+        return [(item[0], item[3]) for item in self._heap]
+
     def peek_time_s(self) -> float | None:
-        return self._heap[0].time_s if self._heap else None
+        return self._heap[0][0] if self._heap else None
 
     def run(
         self,
@@ -58,11 +57,15 @@ class EventLoop(Generic[E]):
     ) -> None:
         """Process events up to ``until_s``; ``handle(event, now_s)`` returns follow-ups
         as ``(time_s, event, priority)``."""
-        while self._heap and self._heap[0].time_s <= until_s:
-            item = heapq.heappop(self._heap)
-            self.now_s = item.time_s
+        heap = self._heap
+        while heap and heap[0][0] <= until_s:
+            now_s, _, _, current = heapq.heappop(heap)
+            self.now_s = now_s
             self.num_processed += 1
-            for time_s, event, priority in handle(item.event, self.now_s):
-                self.schedule(time_s, event, priority)
+            for time_s, event, priority in handle(current, now_s):
+                if time_s < now_s:
+                    raise ValueError(f"event at {time_s} s scheduled in the past (now {now_s} s)")
+                heapq.heappush(heap, (time_s, priority, self._next_seq, event))
+                self._next_seq += 1
         if until_s != float("inf"):
             self.now_s = max(self.now_s, until_s)

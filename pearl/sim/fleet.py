@@ -8,11 +8,13 @@ clock or a heap.
 
 Routing is ``pearl.serving.routing``'s (its docstring states the rules): the fleet hands
 the rules its instances as the router's views (an ``Instance`` is an ``InstanceLoad``; the
-``Candidates`` are kept until an instance joins, leaves or stops accepting) and builds the
-``InstanceQueue`` of the few a turn's cost is weighed on. A turn stays on the instance of
-its trajectory's previous turn (its *home*, where its prefix is cached) unless it is
-expected to finish sooner on the least-loaded entry instance (colocated, or prefill when
-decode instances exist to take the KV), recomputing the prefix there. A prefill
+``Candidates`` are kept until an instance joins, leaves or stops accepting, and their
+least loaded in a ``pearl.serving.load_index.CandidateLoads`` that every change of a load
+is reported to) and builds the ``InstanceQueue`` of the few a turn's cost is weighed on.
+A turn stays on the instance of its trajectory's previous turn (its *home*, where its
+prefix is cached) unless it is expected to finish sooner on the least-loaded entry
+instance (colocated, or prefill when decode instances exist to take the KV), recomputing
+the prefix there. A prefill
 instance's handoff goes to the least-loaded decode instance after the KV transfer. With
 no entry instance (every one starting, switching or gone) a turn is parked and routed
 when one joins.
@@ -42,12 +44,14 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass, field
+from functools import partial
 
 from pearl.core.profile import EngineProfile, RuntimeProfile
 from pearl.core.roles import Role
 from pearl.serving import routing
+from pearl.serving.load_index import CandidateLoads
 from pearl.serving.requests import PartialOutput, Request
-from pearl.serving.views import InstanceQueue
+from pearl.serving.views import InstanceLoad, InstanceQueue
 from pearl.sim.engine import EngineModel, EngineStepResult, KvHandoff
 
 MAX_STEPS_PER_CALL = 4096
@@ -99,6 +103,8 @@ class Fleet:
         self.parked: list[Request] = []
         self._engines: frozenset[EngineProfile] | None = None
         self._candidates: routing.Candidates | None = None  # until membership changes
+        self._loads: CandidateLoads | None = None  # their least loaded, kept as loads change
+        self._load_changes: list[InstanceLoad] = []  # loads changed since the last route
         # the output tokens of the requests finished so far (the router's observation)
         self.finished_requests = 0
         self.finished_output_tokens = 0
@@ -110,8 +116,9 @@ class Fleet:
     ) -> Instance:
         engine = EngineModel.from_profile(role, self.profile, gpu_type, tp)
         inst = Instance(worker_id, role, gpu_type, node, tp, engine, version)
+        engine.on_requests_changed = partial(self._load_changes.append, inst)
         self.instances[worker_id] = inst
-        self._engines = self._candidates = None
+        self._engines = self._candidates = self._loads = None
         return inst
 
     def stop_accepting(self, worker_id: str) -> tuple[PartialOutput, ...]:
@@ -120,7 +127,7 @@ class Fleet:
         if inst is None:
             return ()
         inst.accepting = False
-        self._candidates = None
+        self._candidates = self._loads = None
         return inst.engine.drain()
 
     def remove(self, worker_id: str) -> tuple[PartialOutput, ...]:
@@ -129,7 +136,7 @@ class Fleet:
         if inst is None:
             return ()
         inst.accepting = False
-        self._candidates = None
+        self._candidates = self._loads = None
         return inst.engine.abort_all()
 
     def accepts(self, inst: Instance) -> bool:
@@ -142,6 +149,16 @@ class Fleet:
         if self._candidates is None:
             self._candidates = routing.candidates(self.instances.values())
         return self._candidates
+
+    def loads(self) -> CandidateLoads:
+        """The candidates' least-loaded entry and decode instance (``routing.LoadOrder``),
+        kept as their loads change: every change of an instance's load (``Instance.load``)
+        is appended to its list of changes, by the engine (``EngineModel.on_requests_changed``)
+        and by ``expect`` and ``arrive``."""
+        if self._loads is None:
+            cands = self.candidates()
+            self._loads = CandidateLoads(cands.entries, cands.decodes, self._load_changes)
+        return self._loads
 
     def entry_ids(self) -> list[str]:
         """Accepting instances a new turn may start on."""
@@ -190,6 +207,7 @@ class Fleet:
             home.prefix_tokens if home is not None else 0,
             self.queue,
             self.engines(),
+            self.loads(),
         )
         if wid is None:
             return None
@@ -202,16 +220,18 @@ class Fleet:
 
     def route_decode(self) -> Instance | None:
         """The decode instance a prefill's KV goes to (``routing.route_decode``), or None."""
-        wid = routing.route_decode(self.candidates())
+        wid = routing.route_decode(self.candidates(), self.loads())
         return self.instances[wid] if wid is not None else None
 
     def expect(self, inst: Instance, request_id: str, arrival_s: float) -> None:
         """A request will reach ``inst`` at ``arrival_s``: bound its multi-step runs."""
         heapq.heappush(inst.due, (arrival_s, request_id))
         inst.num_assigned += 1
+        self._load_changes.append(inst)
 
     def arrive(self, inst: Instance) -> None:
         inst.num_assigned -= 1
+        self._load_changes.append(inst)
 
     # --- steps ---------------------------------------------------------------------------
 

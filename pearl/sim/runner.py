@@ -333,6 +333,17 @@ class Simulation:
         if tool_end_s is not None:
             return self._submit(traj, tool_end_s)
         batch = self.rollout.finish(traj, at_s)
+        if self.sink is not None:  # a record per trajectory: not built for no log
+            self._log_finished(traj, at_s)
+        if self.rollout.in_order:
+            first = next(iter(self.rollout.in_flight.values()), None)
+            self.ledger.finished_below(at_s, first.index if first else self.rollout.num_started)
+        out = self._batch_complete(batch, at_s)
+        if self.rollout.rules.max_in_flight is not None:  # a running slot is free again
+            out += self._start_trajectories(at_s)
+        return out
+
+    def _log_finished(self, traj: Trajectory, at_s: float) -> None:
         min_version = self.rollout.ledger.trajectories[traj.traj_id].min_version
         assert min_version is not None, "a finished turn generated a token"
         self.log(
@@ -347,13 +358,6 @@ class Simulation:
                 min_policy_version=min_version,
             )
         )
-        if self.rollout.in_order:
-            first = next(iter(self.rollout.in_flight.values()), None)
-            self.ledger.finished_below(at_s, first.index if first else self.rollout.num_started)
-        out = self._batch_complete(batch, at_s)
-        if self.rollout.rules.max_in_flight is not None:  # a running slot is free again
-            out += self._start_trajectories(at_s)
-        return out
 
     def _batch_complete(self, batch: BatchRecord | None, now_s: float) -> Follow:
         """The next batch has just become complete (``batch``), or nothing happened."""

@@ -5,10 +5,14 @@ from __future__ import annotations
 
 from functools import cache
 
+import pytest
+import sim_fixtures as F
+
 from pearl.core.profile import RuntimeProfile
 from pearl.core.roles import Role
 from pearl.io.documents import load_profile
 from pearl.serving.requests import Request
+from pearl.serving.views import InstanceLoad
 from pearl.sim.fleet import Fleet
 
 
@@ -93,3 +97,36 @@ def test_a_draining_home_sends_its_turns_elsewhere_and_no_entry_parks_them() -> 
     f.stop_accepting("w1")
     assert f.route(Request("t.1.3", "t", 6206, 262)) is None
     assert f.route_decode() is None
+
+
+@pytest.mark.parametrize(
+    "policy", [pytest.param("pearl", id="pearl"), pytest.param("static-pd-disaggregated", id="pd")]
+)
+def test_the_load_index_is_the_scan_at_every_route_of_a_run(
+    policy: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through a run with joins, drains, take-offs and PD handoffs, the fleet's index of
+    loads names the instance ``routing.least_loaded``'s scan of its candidates names."""
+    checked = [0, 0]
+    kept = Fleet.loads
+
+    class Checked:
+        def __init__(self, f: Fleet) -> None:
+            self.fleet, self.index = f, kept(f)
+
+        def least_loaded_entry(self) -> InstanceLoad | None:
+            got = self.index.least_loaded_entry()
+            assert got is self.fleet.candidates().least_loaded_entry()
+            checked[0] += 1
+            return got
+
+        def least_loaded_decode(self) -> InstanceLoad | None:
+            got = self.index.least_loaded_decode()
+            assert got is self.fleet.candidates().least_loaded_decode()
+            checked[1] += 1
+            return got
+
+    monkeypatch.setattr(Fleet, "loads", lambda f: Checked(f))
+    F.run(F.busy_inputs(0, F.RULES[1]), policy)
+    assert checked[0] > 100
+    assert policy == "pearl" or checked[1] > 100

@@ -207,9 +207,9 @@ def _somewhere(sim: Simulation) -> dict[str, list[str]]:
                 note(h.request, f"handoff {inst.worker_id}")
     for req in sim.fleet.parked:
         note(req, "parked")
-    for item in sim.loop._heap:
-        if isinstance(item.event, Arrive):
-            note(item.event.request, f"arriving {item.time_s}")
+    for time_s, event in sim.loop.pending():
+        if isinstance(event, Arrive):
+            note(event.request, f"arriving {time_s}")
     return places
 
 
