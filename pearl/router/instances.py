@@ -70,6 +70,11 @@ class Instance:
         """Requests there or on their way: the router's own count (it sent them)."""
         return len(self.in_flight)
 
+    @property
+    def slots(self) -> int | None:
+        """Requests it runs at once, from its engine profile (None without one)."""
+        return self.engine.max_num_seqs if self.engine is not None else None
+
     # -- bookkeeping -------------------------------------------------------------------
 
     def sent(self, req: InFlight) -> None:
@@ -110,7 +115,8 @@ class InstanceTable:
     def __init__(self) -> None:
         self._by_id: dict[str, Instance] = {}
         self._candidates: Candidates | None = None
-        self.changed = asyncio.Event()  # set whenever an instance starts or stops accepting
+        # set whenever an instance starts or stops accepting, or a full one has room again
+        self.changed = asyncio.Event()
         # the latest weights published: what an engine added now serves (each loads them
         # before the router takes it)
         self.published_version: int | None = None
@@ -134,6 +140,11 @@ class InstanceTable:
 
     def _touch(self) -> None:
         self._candidates = None
+        self.wake()
+
+    def wake(self) -> None:
+        """Wake the turns parked on ``changed``: an instance joined or left, or one that
+        was full has room again (``pearl.serving.routing.full``)."""
         self.changed.set()
         self.changed = asyncio.Event()
 

@@ -17,8 +17,9 @@ rule over the router's :class:`~pearl.router.instances.InstanceTable`:
 A turn whose request comes back aborted (a migration took it off its instance, a pause
 with ``mode=abort``, a sleep) is continued: its prompt grows by the tokens generated so far,
 its ``max_tokens`` shrinks by as many, and it is routed again, so no token is generated
-twice and the turn's output is the concatenation. A turn with no instance to go to waits
-(parked) until the table changes; a prefill that finds no decode instance accepting (a
+twice and the turn's output is the concatenation. A turn with no instance to go to, or whose every
+instance holds as many requests as its engine runs at once (``pearl.serving.routing.full``),
+waits (parked) until the table changes or one of them has room; a prefill that finds no decode instance accepting (a
 plan is changing the pools) frees its held KV and the turn is routed again. An instance
 that does not answer is skipped for that turn, which is routed again. Tries that bring no
 token back the router backs off from (exponentially, up to 0.5 s), and gives the turn up
@@ -198,7 +199,7 @@ class Router:
             if skip:  # every other instance failed this turn: try them all again
                 skip.clear()
                 continue
-            await changed.wait()  # parked until an instance joins or comes back
+            await changed.wait()  # parked until an instance joins, comes back or has room
 
     # -- one turn ----------------------------------------------------------------------
 
@@ -236,6 +237,8 @@ class Router:
             return await self.client(inst).completions(body, request_id=rid)
         finally:
             inst.returned(rid)
+            if inst.slots is not None and inst.load == inst.slots - 1:
+                self.table.wake()  # it was full: a parked turn may go there now
 
     async def generate(self, turn: Turn) -> TurnOutput:
         """The turn's output; ``TurnFailed`` if it stops making progress (see there)."""

@@ -50,6 +50,12 @@ class InstanceLoad(Protocol):
         there yet (a tool call or a KV transfer on its way)."""
         ...
 
+    @property
+    def slots(self) -> int | None:
+        """Requests it runs at once (vLLM's ``max_num_seqs``); None: not known (never
+        full, ``routing.full``)."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class InstanceQueue:

@@ -16,8 +16,9 @@ prefix is cached) unless it is expected to finish sooner on the least-loaded ent
 instance (colocated, or prefill when decode instances exist to take the KV), recomputing
 the prefix there. A prefill
 instance's handoff goes to the least-loaded decode instance after the KV transfer. With
-no entry instance (every one starting, switching or gone) a turn is parked and routed
-when one joins.
+no entry instance with room (every one starting, switching, gone or full: holding as
+many requests as it runs at once) a turn is parked, and routed again when one joins or a
+request leaves one.
 
 The views are what a router knows: the home and the prefix the router left there (the
 prompt it last sent, and the output when the instance also decoded it; an instance that
@@ -73,6 +74,11 @@ class Instance:
     due: list[tuple[float, str]] = field(default_factory=list)  # (arrival time, request id)
     num_assigned: int = 0  # requests in flight to it (tool call or KV transfer)
     accepting: bool = True  # takes new requests (False once draining or removed)
+
+    @property
+    def slots(self) -> int:
+        """Requests it runs at once (``InstanceLoad.slots``: vLLM's ``max_num_seqs``)."""
+        return self.engine.engine.max_num_seqs
 
     @property
     def load(self) -> int:

@@ -70,6 +70,7 @@ from pearl.runlog.schema import (
     TrajectoryFinished,
 )
 from pearl.serving.requests import PartialOutput, Request
+from pearl.serving.routing import full
 from pearl.sim.allocations import ElasticAllocations
 from pearl.sim.availability import Window
 from pearl.sim.baselines import SimPolicy
@@ -268,7 +269,10 @@ class Simulation:
         inst = ev.instance
         if self.fleet.instances.get(inst.worker_id) is not inst or inst.busy_until_s != now_s:
             return []  # the instance was removed mid-step
-        return self._step_outcome(inst) + self._kick(inst, now_s)
+        out = self._step_outcome(inst) + self._kick(inst, now_s)
+        if self.fleet.parked and not full(inst):  # a request left: room for a parked turn
+            out += self.unpark(now_s, until_parked_again=True)
+        return out
 
     def _step_outcome(self, inst: Instance, until_s: float = math.inf) -> Follow:
         """The finished turns and prefill handoffs of the instance's step in flight, at
@@ -414,11 +418,18 @@ class Simulation:
             out += self._submit(traj, now_s)
         return out
 
-    def unpark(self, now_s: float) -> Follow:
+    def unpark(self, now_s: float, until_parked_again: bool = False) -> Follow:
+        """The parked turns routed again, in the order they parked. ``until_parked_again``
+        (a request left an instance, so there is room for a few): the first that parks
+        again keeps the rest parked, as the next ones would park too but for a returning
+        turn whose own home has room (it goes at the next request that leaves)."""
         parked, self.fleet.parked = self.fleet.parked, []
         out: Follow = []
-        for req in parked:
+        for i, req in enumerate(parked):
             out += self._arrive(req, None, now_s)
+            if until_parked_again and self.fleet.parked:
+                self.fleet.parked += parked[i + 1 :]
+                break
         return out
 
     # --- trajectories and the trainer ----------------------------------------------------

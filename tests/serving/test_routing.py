@@ -16,7 +16,7 @@ from pearl.core.profile import EngineProfile
 from pearl.core.roles import Role
 from pearl.io.documents import load_profile
 from pearl.serving.costs import attention_pairs, expected_wait_s, prompt_ready_s
-from pearl.serving.routing import candidates, least_loaded, route_decode, route_turn
+from pearl.serving.routing import candidates, full, least_loaded, route_decode, route_turn
 from pearl.serving.views import InstanceQueue
 
 # The shipped workload's means (docs/simulator.md): prompt, observation per turn.
@@ -31,6 +31,7 @@ class Load:
     role: Role = Role.COLOCATED
     accepting: bool = True
     load: int = 0
+    slots: int | None = None
 
 
 @cache
@@ -201,6 +202,25 @@ def test_a_turn_parks_when_no_instance_can_take_it() -> None:
         is None
     )
     assert candidates([prefill, gone_decode]).entries == ()
+
+
+def test_a_full_instance_takes_no_turn_and_a_turn_with_nowhere_else_parks() -> None:
+    """A full instance (as many requests as it runs at once) would only queue the turn, in
+    a queue that instances joining later never share: the turn goes where there is room,
+    or waits parked."""
+    q = {"h": returning_turns(0), "a": idle()}.__getitem__
+
+    def routed(home: Load, alt: Load, first_turn: bool = False) -> str | None:
+        among = candidates([home, alt])
+        return route_turn(8000, 262, among, None if first_turn else home, 7000, q, [engine()])
+
+    both_full = Load("h", load=4, slots=4), Load("a", load=4, slots=4)
+    assert routed(*both_full) is None and routed(*both_full, first_turn=True) is None
+    assert routed(Load("h", load=4, slots=4), Load("a", load=1, slots=4)) == "a"  # home full
+    # the least-loaded entry is full (4 of 4) but home has room (5 of 8): home keeps it
+    assert routed(Load("h", load=5, slots=8), Load("a", load=4, slots=4)) == "h"
+    assert full(Load("x", load=4, slots=4)) and not full(Load("x", load=3, slots=4))
+    assert not full(Load("x", load=10_000))  # slots unknown: never full
 
 
 def test_a_prefill_home_keeps_its_turn_while_a_decode_instance_accepts() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -11,6 +12,7 @@ from pearl.rollout.ledger import TrajState
 from pearl.runlog.schema import encode
 from pearl.serving.requests import Request
 from pearl.sim.baselines import RUN_POLICIES, make_policy
+from pearl.sim.fleet import Instance
 from pearl.sim.kv_cache import BLOCK_TOKENS
 from pearl.sim.rollout import trajectory_stream
 from pearl.sim.runner import RunInputs, Simulation, simulate, trajectory_rng
@@ -399,3 +401,31 @@ def test_a_cap_in_flight_admits_again_as_trajectories_finish(batching: str) -> N
     r = F.run(F.inputs(Scenario.model_validate(doc)), "roll-fixed")
     assert r.metrics.train_steps >= 2
     assert max(len(r.sim.rollout.in_flight), r.sim.rollout.ledger.num_running) <= 4
+
+
+def test_no_instance_holds_more_requests_than_it_runs_and_parked_turns_all_go() -> None:
+    """With two slots an instance (max_num_seqs 2), sixteen trajectories at a time: the
+    turns beyond the slots wait parked at the router, not in an instance's queue, and go
+    as requests leave; every batch still completes."""
+    base = F.profile()
+    gpus = {
+        name: gpu.model_copy(
+            update={"engines": tuple(e.model_copy(update={"max_num_seqs": 2}) for e in gpu.engines)}
+        )
+        for name, gpu in base.gpus.items()
+    }
+    profile = base.model_copy(update={"gpus": gpus})
+    inputs = F.inputs(F.scenario(batch=16, batching="first-completed"))
+    inputs = dataclasses.replace(inputs, profile=profile)
+    sim = Simulation(inputs, make_policy("roll-fixed", inputs.scenario.policy, 1))
+    most = [0]
+    step = sim.fleet.start_step
+
+    def watched(inst: Instance, now_s: float, horizon_s: float) -> float | None:
+        most[0] = max(most[0], inst.engine.num_requests + inst.num_assigned)
+        return step(inst, now_s, horizon_s)
+
+    sim.fleet.start_step = watched  # type: ignore[method-assign]
+    metrics = sim.run()
+    assert most[0] <= 2
+    assert metrics.train_steps >= 3
