@@ -21,7 +21,7 @@ Invariants (asserted by ``tests/core/test_planner.py``):
 from __future__ import annotations
 
 import bisect
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -92,16 +92,18 @@ class _Placer:
         self.workers_on = workers_on
         self.gpus_of_worker: dict[str, list[Gpu]] = defaultdict(list)
         self.gpus_of: dict[tuple[str, str], list[Gpu]] = defaultdict(list)
+        self.tier_of: dict[str, int] = {}  # GPU id -> ``tier``, kept as holds change
+        tier1: Counter[tuple[str, str]] = Counter()
         for g in pool_gpus:
-            self.gpus_of[(g.gpu_type, g.node)].append(g)
-            for w in workers_on.get(g.gpu_id, ()):
+            key = (g.gpu_type, g.node)
+            self.gpus_of[key].append(g)
+            workers = workers_on.get(g.gpu_id, ())
+            for w in workers:
                 self.gpus_of_worker[w].append(g)
+            tier = self.tier_of[g.gpu_id] = self.tier(g.gpu_id) if workers else FREE
+            tier1[key] += tier <= Hold.STOPPED
         self.taken: set[str] = set()
         self.result = Placement()
-        tier1 = {
-            key: sum(1 for g in gpus if self.tier(g.gpu_id) <= Hold.STOPPED)
-            for key, gpus in self.gpus_of.items()
-        }
         self.nodes = _Nodes(tier1)
 
     def tier(self, gpu_id: str) -> int:
@@ -109,8 +111,9 @@ class _Placer:
 
     def usable(self, gpu_type: str, node: str, max_tier: int) -> list[Gpu]:
         """Untaken GPUs of the node at or below the tier, cheapest first, in pool order."""
-        gpus = [g for g in self.gpus_of[(gpu_type, node)] if g.gpu_id not in self.taken]
-        ranked = sorted((self.tier(g.gpu_id), i) for i, g in enumerate(gpus))
+        tier_of, taken = self.tier_of, self.taken
+        gpus = [g for g in self.gpus_of[(gpu_type, node)] if g.gpu_id not in taken]
+        ranked = sorted((tier_of[g.gpu_id], i) for i, g in enumerate(gpus))
         return [gpus[i] for t, i in ranked if t <= max_tier]
 
     def place(self, spec: InstanceSpec) -> None:
@@ -168,11 +171,11 @@ class _Placer:
 
     def convert_to_stop(self, worker_id: str) -> None:
         """The worker is stopped instead: its GPUs that become tier 1 count as usable."""
-        gpus = [g for g in self.gpus_of_worker[worker_id] if g.gpu_id not in self.taken]
-        before = [self.tier(g.gpu_id) for g in gpus]
         self.hold_of[worker_id] = Hold.STOPPED
-        for g, tier in zip(gpus, before, strict=True):
-            if tier > Hold.STOPPED >= self.tier(g.gpu_id):
+        for g in self.gpus_of_worker[worker_id]:
+            before, after = self.tier_of[g.gpu_id], self.tier(g.gpu_id)
+            self.tier_of[g.gpu_id] = after
+            if g.gpu_id not in self.taken and before > Hold.STOPPED >= after:
                 self.nodes.add(g.gpu_type, g.node, 1)
 
 

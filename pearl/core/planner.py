@@ -127,21 +127,23 @@ def _sort_engines(
     """Active engines in the pool by spec, wake candidates by class; the rest decided."""
     active: dict[InstanceSpec, list[Worker]] = defaultdict(list)
     asleep: dict[_Class, list[Worker]] = defaultdict(list)
-    engines_on = Counter(
-        g for w in ctx.state.workers if w.live and w.kind is WorkerKind.ENGINE for g in w.gpu_ids
-    )
-    for w in ctx.state.workers:
-        if w.kind is not WorkerKind.ENGINE or not w.live:
-            continue
+    live = ctx.state.live_engines  # (engine, its GPU type), in the state's order
+    engines_on = Counter(g for w, _ in live for g in w.gpu_ids)
+    specs: dict[tuple[Role, str, int], InstanceSpec] = {}  # one object per spec
+    for w, gpu_type in live:
         in_pool = ctx.pool.issuperset(w.gpu_ids)
         if w.phase not in _SETTLING:
             d.release[w.worker_id] = (ctx.release_action(w), f"finish {w.phase.value}")
         elif w.role is not Role.IDLE and in_pool:
-            active[InstanceSpec(w.role, ctx.gpu_type(w), w.tp)].append(w)
+            key = (w.role, gpu_type, len(w.gpu_ids))
+            spec = specs.get(key)
+            if spec is None:
+                spec = specs[key] = InstanceSpec(*key)
+            active[spec].append(w)
         elif w.role is not Role.IDLE:
             d.release[w.worker_id] = (ctx.release_action(w), "GPUs leave the rollout pool")
         elif in_pool and all(engines_on[g] == 1 for g in w.gpu_ids):
-            asleep[(ctx.gpu_type(w), w.tp)].append(w)
+            asleep[(gpu_type, w.tp)].append(w)
         elif in_pool:
             d.asleep_left.append(w)
         elif not ctx.on_base_train(w):
@@ -168,6 +170,28 @@ def _keep(
 
 
 def _assign_class(
+    ctx: PlanContext,
+    d: WorkerDecisions,
+    cls: _Class,
+    rows: list[Role],
+    active: list[Worker],
+    asleep: list[Worker],
+) -> None:
+    """One class's unmet instances on its engines or new starts (``_assign_min_cost``).
+
+    Without unmet instances every engine is left over; without engines every instance
+    is a new start: what the assignment returns then (``tests/core/test_planner.py``),
+    without building a matrix of up to thousands of rows and columns."""
+    if rows and (active or asleep):
+        _assign_min_cost(ctx, d, cls, rows, active, asleep)
+        return
+    d.new += [InstanceSpec(role, cls[0], cls[1]) for role in rows]
+    for w in active:
+        d.release[w.worker_id] = (ctx.release_action(w), "not needed by the target")
+    d.asleep_left += asleep
+
+
+def _assign_min_cost(
     ctx: PlanContext,
     d: WorkerDecisions,
     cls: _Class,
@@ -260,11 +284,14 @@ def _place(ctx: PlanContext, d: WorkerDecisions) -> Placement:
         hold_of[w.worker_id] = Hold.ASLEEP
     for wid, (action, _) in d.release.items():
         hold_of[wid] = Hold.SLEPT if action is Action.SLEEP else Hold.STOPPED
-    workers_on: dict[str, list[str]] = defaultdict(list)
-    for wid in sorted(hold_of):
+    workers_on: dict[str, list[str]] = defaultdict(list)  # each list sorted by worker id
+    for wid in hold_of:
         for g in workers[wid].gpu_ids:
             if g in ctx.pool:
                 workers_on[g].append(wid)
+    for wids in workers_on.values():
+        if len(wids) > 1:
+            wids.sort()
     pool_gpus: list[Gpu] = [g for g in ctx.state.gpus if g.gpu_id in ctx.pool]
     placement = place_instances(d.new, pool_gpus, workers_on, hold_of)
     for wid in sorted(placement.stop_instead_of_sleep | placement.stop_asleep):
