@@ -12,7 +12,7 @@ import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property, partial
+from functools import cached_property
 
 from pearl.core.config import PolicyConfig
 from pearl.core.observation import Observation
@@ -26,8 +26,8 @@ from pearl.core.transition_cost import (
     Inventory,
     effective_completion_s,
     estimate_transition_s,
-    inventory_where,
     kept_gpu_share,
+    pool_inventory,
 )
 
 
@@ -90,7 +90,7 @@ class DecisionContext:
         budget = self.budget(pool, extra_nodes)
         key = (budget, lending)
         if key not in self._selections:
-            inv = inventory_where(self.state, partial(pool.holds, self.state), lending)
+            inv = pool_inventory(self.state, pool, lending)
             self._selections[key] = select_pd(
                 self.prepared,
                 budget,

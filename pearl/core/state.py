@@ -141,6 +141,9 @@ class BorrowWindow(Frozen):
     )
 
 
+EngineKind = tuple[Role, Phase, str, int, int]  # role, phase, GPU type, TP, weights version
+
+
 class ClusterState(Frozen):
     schema_version: Literal[1] = Field(1, description="Version of this document's schema.")
     version: NonNegInt = Field(0, description="Increments with every applied change.")
@@ -192,14 +195,46 @@ class ClusterState(Frozen):
         }
 
     @cached_property
+    def group_of_gpu(self) -> dict[str, tuple[str, GpuSource]]:
+        """GPU id -> its group of ``gpu_groups``."""
+        return {g.gpu_id: key for key, gpus in self.gpu_groups.items() for g in gpus}
+
+    @cached_property
     def worker_groups(self) -> dict[str, tuple[str, GpuSource] | None]:
         """Worker id -> the group of ``gpu_groups`` all its GPUs are in (None: several)."""
+        group_of = self.group_of_gpu
         out: dict[str, tuple[str, GpuSource] | None] = {}
         for w in self.workers:
-            gpus = [self.gpu_by_id[gid] for gid in w.gpu_ids]
-            groups = {(g.allocation_id, g.source) for g in gpus}
+            if len(w.gpu_ids) == 1:
+                out[w.worker_id] = group_of[w.gpu_ids[0]]
+                continue
+            groups = {group_of[gid] for gid in w.gpu_ids}
             out[w.worker_id] = groups.pop() if len(groups) == 1 else None
         return out
+
+    @cached_property
+    def live_engines_by_group(
+        self,
+    ) -> dict[tuple[str, GpuSource] | None, tuple[tuple[Worker, str], ...]]:
+        """``live_engines`` by their group of ``worker_groups``, each in the state's order."""
+        groups = self.worker_groups
+        out: dict[tuple[str, GpuSource] | None, list[tuple[Worker, str]]] = {}
+        for engine in self.live_engines:
+            out.setdefault(groups[engine[0].worker_id], []).append(engine)
+        return {group: tuple(engines) for group, engines in out.items()}
+
+    @cached_property
+    def engine_kinds_by_group(
+        self,
+    ) -> dict[tuple[str, GpuSource] | None, Counter[EngineKind]]:
+        """Per group of ``live_engines_by_group``: its live engines counted by (role,
+        phase, GPU type, TP, weights version): what a pool's engine inventory reads."""
+        return {
+            group: Counter(
+                (w.role, w.phase, gpu_type, w.tp, w.weights_version) for w, gpu_type in ws
+            )
+            for group, ws in self.live_engines_by_group.items()
+        }
 
     @cached_property
     def base_train_gpu_ids(self) -> tuple[str, ...]:

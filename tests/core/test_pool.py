@@ -1,15 +1,19 @@
-"""The rollout pool read per group equals the pool counted GPU by GPU."""
+"""The rollout pool read per group equals the pool counted GPU by GPU (and engine by engine)."""
 
 from __future__ import annotations
 
 from collections import Counter
+from functools import partial
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pearl.bench.synth import Layout, build_state
 from pearl.core.pool import node_counts, rollout_pool
-from pearl.core.roles import GpuSource
-from pearl.core.state import AllocationStatus, ClusterState
+from pearl.core.roles import GpuSource, Phase, Role, WorkerKind
+from pearl.core.state import AllocationStatus, ClusterState, Gpu, Worker
+from pearl.core.transition_cost import inventory_where, pool_inventory
 
 
 def _counted(state: ClusterState, lent: set[str], excluded: set[str]) -> list[str]:
@@ -41,3 +45,55 @@ def test_the_pool_read_per_group_is_the_pool_counted_per_gpu(lend: int, exclude:
     in_pool = set(expected)
     for w in state.workers:
         assert pool.holds(state, w) == in_pool.issuperset(w.gpu_ids), w.worker_id
+
+
+_PHASES = list(Phase)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.data())
+def test_pool_reads_per_group_equal_engine_by_engine(data: st.DataObject) -> None:
+    """The pool's inventory and its hold on the active engines, read per group of
+    engines, equal the same asked engine by engine (an engine spanning two groups too)."""
+    tp = data.draw(st.sampled_from([1, 2]))
+    base = build_state(Layout(2, 2, 3, rollout_tp=tp))
+    workers = [
+        w.model_copy(
+            update={
+                "phase": data.draw(st.sampled_from(_PHASES)),
+                "weights_version": data.draw(st.integers(0, 2)),
+            }
+        )
+        if w.kind is WorkerKind.ENGINE
+        else w
+        for w in base.workers
+    ]
+    mixed = [
+        Gpu(gpu_id="mix/0", node="mix", gpu_type="h100", source=GpuSource.BASE_ROLLOUT,
+            allocation_id="base"),
+        Gpu(gpu_id="mix/1", node="mix", gpu_type="h100", source=GpuSource.ELASTIC,
+            allocation_id="el0000"),
+    ]  # fmt: skip
+    spanning = Worker(
+        worker_id="e-mix",
+        kind=WorkerKind.ENGINE,
+        node="mix",
+        gpu_ids=("mix/0", "mix/1"),
+        role=Role.COLOCATED,
+        phase=Phase.READY,
+    )
+    state = base.replace(
+        gpus=(*base.gpus, *mixed),
+        workers=(*workers, spanning),
+        policy_version=data.draw(st.integers(0, 2)),
+    )
+    trainer = list(state.base_train_gpu_ids)
+    elastic = sorted({g.allocation_id for g in state.gpus if g.source is GpuSource.ELASTIC})
+    lend = data.draw(st.sampled_from([0, 1, 3, 8, len(trainer)]))
+    exclude = data.draw(st.integers(0, 2))
+    pool = rollout_pool(state, trainer[:lend], elastic[:exclude])
+    for lending in (False, True):
+        per_engine = inventory_where(state, partial(pool.holds, state), lending)
+        assert pool_inventory(state, pool, lending) == per_engine
+    every = all(pool.holds(state, w) for w in state.active_engines)
+    assert pool.holds_active_engines(state) == every
