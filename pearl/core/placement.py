@@ -21,7 +21,7 @@ Invariants (asserted by ``tests/core/test_planner.py``):
 from __future__ import annotations
 
 import bisect
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -90,18 +90,23 @@ class _Placer:
     ) -> None:
         self.hold_of = dict(hold_of)
         self.workers_on = workers_on
+        # GPUs of the workers that may yet be stopped instead (``convert_to_stop``)
         self.gpus_of_worker: dict[str, list[Gpu]] = defaultdict(list)
         self.gpus_of: dict[tuple[str, str], list[Gpu]] = defaultdict(list)
         self.tier_of: dict[str, int] = {}  # GPU id -> ``tier``, kept as holds change
-        tier1: Counter[tuple[str, str]] = Counter()
+        tier1: dict[tuple[str, str], int] = {}
         for g in pool_gpus:
             key = (g.gpu_type, g.node)
             self.gpus_of[key].append(g)
             workers = workers_on.get(g.gpu_id, ())
+            tier = FREE
             for w in workers:
-                self.gpus_of_worker[w].append(g)
-            tier = self.tier_of[g.gpu_id] = self.tier(g.gpu_id) if workers else FREE
-            tier1[key] += tier <= Hold.STOPPED
+                hold = self.hold_of[w]
+                tier = max(tier, hold)
+                if hold > Hold.STOPPED:
+                    self.gpus_of_worker[w].append(g)
+            self.tier_of[g.gpu_id] = tier
+            tier1[key] = tier1.get(key, 0) + (tier <= Hold.STOPPED)
         self.taken: set[str] = set()
         self.result = Placement()
         self.nodes = _Nodes(tier1)

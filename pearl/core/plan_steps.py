@@ -59,7 +59,7 @@ class PlanContext:
 
     def release_action(self, w: Worker) -> Action:
         """How an engine leaves its role: sleep on base-train GPUs, stop elsewhere."""
-        if w.active and w.phase is not Phase.STOPPING and self.on_base_train(w):
+        if self.on_base_train(w) and w.active and w.phase is not Phase.STOPPING:
             return Action.SLEEP
         return Action.STOP
 
@@ -122,8 +122,11 @@ class _Steps:
         if not deps:
             ordered: tuple[int, ...] = ()
             start_s = 0.0
+        elif len(deps) == 1:
+            ordered = (deps[0],)
+            start_s = self.end_s[deps[0]]
         else:
-            ordered = (deps[0],) if len(deps) == 1 else tuple(sorted(set(deps)))
+            ordered = tuple(sorted(set(deps)))
             start_s = max([self.end_s[i] for i in ordered])
         step_id = len(self.steps)
         self.steps.append(
@@ -171,8 +174,7 @@ def build_steps(ctx: PlanContext, d: WorkerDecisions, placement: Placement) -> _
     for w in sorted(d.offload, key=_wid):
         i = s.add(Action.OFFLOAD, w, Role.IDLE, (), c.trainer_offload_s, "lend its GPUs to rollout")
         offload_at.update(dict.fromkeys(w.gpu_ids, i))
-    freed_at: dict[str, list[int]] = defaultdict(list)  # GPU -> steps that take engines off it
-    released_at: dict[str, int] = {}
+    released_at: dict[str, int] = {}  # engine -> the step that takes it off its GPUs
     deadlines = ctx.may_have_deadlines
     for wid in sorted({*d.release, *d.switch}):
         w, role = workers[wid], d.switch.get(wid)
@@ -189,8 +191,10 @@ def build_steps(ctx: PlanContext, d: WorkerDecisions, placement: Placement) -> _
             ctx.problems.append(f"{wid} leaves its GPUs after their deadline {deadline_s:.1f} s")
         if action is not Action.SWITCH:
             released_at[wid] = i
-            for g in w.gpu_ids:
-                freed_at[g].append(i)
+    freed_at: dict[str, list[int]] = defaultdict(list)  # GPU -> steps that take engines off it
+    for wid, i in released_at.items() if d.onload else ():
+        for g in workers[wid].gpu_ids:
+            freed_at[g].append(i)
     for w in sorted(d.onload, key=_wid):
         deps = [i for g in w.gpu_ids for i in freed_at.get(g, ())]
         s.add(Action.ONLOAD, w, Role.TRAIN, deps, c.trainer_onload_s, "its GPUs return")
@@ -237,7 +241,7 @@ def _leave(
     ctx: PlanContext, s: _Steps, w: Worker, then_s: float, deadline_s: float | None
 ) -> tuple[int, ...]:
     """Drain (or migrate, when draining would miss the deadline) an engine with requests."""
-    if not (w.active and w.phase in (Phase.READY, Phase.DRAINING)):
+    if w.phase not in (Phase.READY, Phase.DRAINING) or w.role is Role.IDLE:  # not active
         return ()
     drain_s = ctx.drain_estimate_s
     if deadline_s is None or ctx.now_s + drain_s + then_s <= deadline_s:

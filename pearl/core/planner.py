@@ -93,15 +93,14 @@ def _valid_lent(ctx: PlanContext) -> frozenset[str]:
 
 
 def _pool(ctx: PlanContext) -> set[str]:
+    """Base-train GPUs lent, and every GPU of the other groups of a granted allocation."""
     allocations = ctx.state.allocation_by_id
-    pool = set()
-    for g in ctx.state.gpus:
-        if g.source is GpuSource.BASE_TRAIN:
-            usable = g.gpu_id in ctx.lent
-        else:
-            usable = allocations[g.allocation_id].status is AllocationStatus.GRANTED
-        if usable:
-            pool.add(g.gpu_id)
+    pool: set[str] = set()
+    for (allocation_id, source), gpus in ctx.state.gpu_groups.items():
+        if source is GpuSource.BASE_TRAIN:
+            pool.update(g.gpu_id for g in gpus if g.gpu_id in ctx.lent)
+        elif allocations[allocation_id].status is AllocationStatus.GRANTED:
+            pool.update(g.gpu_id for g in gpus)
     return pool
 
 

@@ -247,21 +247,30 @@ class ClusterState(Frozen):
 
     @cached_property
     def active_engines(self) -> tuple[Worker, ...]:
-        return tuple(w for w in self.workers if w.kind is WorkerKind.ENGINE and w.active)
+        """The live engines (``live_engines``) not asleep, in the state's order."""
+        return tuple(w for w, _ in self.live_engines if w.role is not Role.IDLE)
 
     @cached_property
     def allocations_hosting_active(self) -> frozenset[str]:
         """Allocations with an active worker on one of their GPUs."""
-        return frozenset(
-            self.gpu_by_id[gid].allocation_id for w in self.workers if w.active for gid in w.gpu_ids
-        )
+        return self._allocations_hosting([w for w in self.workers if w.active])
 
     @cached_property
     def allocations_hosting_live(self) -> frozenset[str]:
         """Allocations with a live worker (asleep ones too) on one of their GPUs."""
-        return frozenset(
-            self.gpu_by_id[gid].allocation_id for w in self.workers if w.live for gid in w.gpu_ids
-        )
+        return self._allocations_hosting([w for w in self.workers if w.live])
+
+    def _allocations_hosting(self, workers: list[Worker]) -> frozenset[str]:
+        """The allocations of the workers' GPUs, read off their groups where they have one."""
+        groups = self.worker_groups
+        hosting = set()
+        for w in workers:
+            group = groups[w.worker_id]
+            if group is not None:
+                hosting.add(group[0])
+            else:
+                hosting.update(self.gpu_by_id[gid].allocation_id for gid in w.gpu_ids)
+        return frozenset(hosting)
 
     @cached_property
     def live_engines(self) -> tuple[tuple[Worker, str], ...]:
@@ -277,9 +286,10 @@ class ClusterState(Frozen):
         """(role, GPU type, TP) -> how many live engines serve or are becoming that role
         (draining and stopping ones are leaving it): ``pd.config_of``'s counts."""
         counts: Counter[tuple[Role, str, int]] = Counter()
-        for w, gpu_type in self.live_engines:
-            if w.role in INFERENCE_ROLES and w.phase not in (Phase.DRAINING, Phase.STOPPING):
-                counts[(w.role, gpu_type, w.tp)] += 1
+        for kinds in self.engine_kinds_by_group.values():
+            for (role, phase, gpu_type, tp, _), n in kinds.items():
+                if role in INFERENCE_ROLES and phase not in (Phase.DRAINING, Phase.STOPPING):
+                    counts[(role, gpu_type, tp)] += n
         return dict(counts)
 
     def live_workers(self) -> tuple[Worker, ...]:

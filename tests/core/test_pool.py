@@ -50,11 +50,8 @@ def test_the_pool_read_per_group_is_the_pool_counted_per_gpu(lend: int, exclude:
 _PHASES = list(Phase)
 
 
-@settings(max_examples=100, deadline=None)
-@given(st.data())
-def test_pool_reads_per_group_equal_engine_by_engine(data: st.DataObject) -> None:
-    """The pool's inventory and its hold on the active engines, read per group of
-    engines, equal the same asked engine by engine (an engine spanning two groups too)."""
+def _varied_state(data: st.DataObject) -> ClusterState:
+    """Engines in every phase and weights version, and one spanning two groups."""
     tp = data.draw(st.sampled_from([1, 2]))
     base = build_state(Layout(2, 2, 3, rollout_tp=tp))
     workers = [
@@ -82,11 +79,19 @@ def test_pool_reads_per_group_equal_engine_by_engine(data: st.DataObject) -> Non
         role=Role.COLOCATED,
         phase=Phase.READY,
     )
-    state = base.replace(
+    return base.replace(
         gpus=(*base.gpus, *mixed),
         workers=(*workers, spanning),
         policy_version=data.draw(st.integers(0, 2)),
     )
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.data())
+def test_pool_reads_per_group_equal_engine_by_engine(data: st.DataObject) -> None:
+    """The pool's inventory and its hold on the active engines, read per group of
+    engines, equal the same asked engine by engine (an engine spanning two groups too)."""
+    state = _varied_state(data)
     trainer = list(state.base_train_gpu_ids)
     elastic = sorted({g.allocation_id for g in state.gpus if g.source is GpuSource.ELASTIC})
     lend = data.draw(st.sampled_from([0, 1, 3, 8, len(trainer)]))
@@ -97,3 +102,26 @@ def test_pool_reads_per_group_equal_engine_by_engine(data: st.DataObject) -> Non
         assert pool_inventory(state, pool, lending) == per_engine
     every = all(pool.holds(state, w) for w in state.active_engines)
     assert pool.holds_active_engines(state) == every
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.data())
+def test_state_indexes_equal_their_definitions(data: st.DataObject) -> None:
+    """The state's indexes derived from one another equal their plain definitions."""
+    state = _varied_state(data)
+    engines = [w for w in state.workers if w.kind is WorkerKind.ENGINE]
+    assert state.active_engines == tuple(w for w in engines if w.active)
+    on = state.gpu_by_id
+    for name, holds in (("allocations_hosting_active", True), ("allocations_hosting_live", False)):
+        hosting = {
+            on[g].allocation_id
+            for w in state.workers
+            if (w.active if holds else w.live)
+            for g in w.gpu_ids
+        }
+        assert getattr(state, name) == hosting
+    serving: Counter[tuple[Role, str, int]] = Counter()
+    for w in engines:
+        if w.live and w.role is not Role.IDLE and w.phase not in (Phase.DRAINING, Phase.STOPPING):
+            serving[(w.role, on[w.gpu_ids[0]].gpu_type, w.tp)] += 1
+    assert state.serving_engine_counts == dict(serving)
