@@ -231,7 +231,7 @@ class ClusterState(Frozen):
         phase, GPU type, TP, weights version): what a pool's engine inventory reads."""
         return {
             group: Counter(
-                (w.role, w.phase, gpu_type, w.tp, w.weights_version) for w, gpu_type in ws
+                (w.role, w.phase, gpu_type, len(w.gpu_ids), w.weights_version) for w, gpu_type in ws
             )
             for group, ws in self.live_engines_by_group.items()
         }
@@ -253,22 +253,25 @@ class ClusterState(Frozen):
     @cached_property
     def allocations_hosting_active(self) -> frozenset[str]:
         """Allocations with an active worker on one of their GPUs."""
-        return self._allocations_hosting([w for w in self.workers if w.active])
+        return self._allocations_hosting(active=True)
 
     @cached_property
     def allocations_hosting_live(self) -> frozenset[str]:
         """Allocations with a live worker (asleep ones too) on one of their GPUs."""
-        return self._allocations_hosting([w for w in self.workers if w.live])
+        return self._allocations_hosting(active=False)
 
-    def _allocations_hosting(self, workers: list[Worker]) -> frozenset[str]:
-        """The allocations of the workers' GPUs, read off their groups where they have one."""
-        groups = self.worker_groups
-        hosting = set()
-        for w in workers:
-            group = groups[w.worker_id]
-            if group is not None:
-                hosting.add(group[0])
-            else:
+    def _allocations_hosting(self, active: bool) -> frozenset[str]:
+        """The allocations of the live (or active) workers' GPUs: engines read per group
+        (``engine_kinds_by_group``), trainers and engines spanning groups one by one."""
+        hosting = {
+            group[0]
+            for group, kinds in self.engine_kinds_by_group.items()
+            if group is not None and any(not active or role is not Role.IDLE for role, *_ in kinds)
+        }
+        spanning = self.live_engines_by_group.get(None, ())
+        trainers = (w for w in self.workers if w.kind is not WorkerKind.ENGINE)
+        for w in (*(w for w, _ in spanning), *trainers):
+            if w.active if active else w.live:
                 hosting.update(self.gpu_by_id[gid].allocation_id for gid in w.gpu_ids)
         return frozenset(hosting)
 
@@ -278,7 +281,7 @@ class ClusterState(Frozen):
         return tuple(
             (w, self.gpu_by_id[w.gpu_ids[0]].gpu_type)
             for w in self.workers
-            if w.kind is WorkerKind.ENGINE and w.live
+            if w.kind is WorkerKind.ENGINE and w.phase in LIVE_PHASES  # w.live
         )
 
     @cached_property
