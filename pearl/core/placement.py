@@ -118,7 +118,10 @@ class _Placer:
         """Untaken GPUs of the node at or below the tier, cheapest first, in pool order."""
         tier_of, taken = self.tier_of, self.taken
         gpus = [g for g in self.gpus_of[(gpu_type, node)] if g.gpu_id not in taken]
-        ranked = sorted((tier_of[g.gpu_id], i) for i, g in enumerate(gpus))
+        tiers = [tier_of[g.gpu_id] for g in gpus]
+        if tiers and min(tiers) == max(tiers):  # one tier: pool order (what the sort keeps)
+            return gpus if tiers[0] <= max_tier else []
+        ranked = sorted(zip(tiers, range(len(gpus)), strict=True))
         return [gpus[i] for t, i in ranked if t <= max_tier]
 
     def place(self, spec: InstanceSpec) -> None:
@@ -162,17 +165,17 @@ class _Placer:
         }
 
     def commit(self, spec: InstanceSpec, node: str, gpus: list[Gpu]) -> None:
-        for w in sorted(self.to_stop(gpus)):
+        ids = tuple(g.gpu_id for g in gpus)
+        on = {w for gid in ids for w in self.workers_on.get(gid, ())}
+        for w in sorted(w for w in on if self.hold_of[w] > Hold.STOPPED):  # to_stop
             if self.hold_of[w] is Hold.SLEPT:
                 self.result.stop_instead_of_sleep.add(w)
             else:
                 self.result.stop_asleep.add(w)
             self.convert_to_stop(w)
-        ids = tuple(g.gpu_id for g in gpus)
         self.taken.update(ids)
         self.nodes.add(spec.gpu_type, node, -len(ids))
-        after = sorted({w for gid in ids for w in self.workers_on.get(gid, ())})
-        self.result.placed.append(Placed(spec, node, ids, tuple(after)))
+        self.result.placed.append(Placed(spec, node, ids, tuple(sorted(on))))
 
     def convert_to_stop(self, worker_id: str) -> None:
         """The worker is stopped instead: its GPUs that become tier 1 count as usable."""

@@ -280,7 +280,14 @@ def _wid(w: Worker) -> str:
 
 def summarize(ctx: PlanContext, d: WorkerDecisions, built: _Steps) -> TransitionPlan:
     steps = built.steps
-    changes = Counter(s.action for s in steps if s.action in _CHANGES)
+    changes: Counter[Action] = Counter()
+    changed: set[str] = set()  # workers in a change step
+    busy_s: float = 0  # GPU-seconds, summed in step order from 0 (as sum() does)
+    for s in steps:
+        if s.action in _CHANGES:
+            changes[s.action] += 1
+            changed.add(s.worker_id)
+        busy_s += s.duration_s * len(s.gpu_ids)
     goal = ctx.target.config.label() + (f", {len(ctx.lent)} GPUs lent" if ctx.lent else "")
     if not steps:
         reason = f"already at {goal}"
@@ -290,9 +297,9 @@ def summarize(ctx: PlanContext, d: WorkerDecisions, built: _Steps) -> Transition
     return TransitionPlan(
         target=ctx.target,
         steps=tuple(steps),
-        num_role_changes=len({s.worker_id for s in steps if s.action in _CHANGES}),
+        num_role_changes=len(changed),
         makespan_s=max(built.end_s, default=0.0),
-        gpu_busy_s=sum(s.duration_s * len(s.gpu_ids) for s in steps),
+        gpu_busy_s=busy_s,
         reason=reason,
         problems=tuple(ctx.problems),
     )

@@ -97,7 +97,10 @@ def rollout_pool(state: ClusterState, lent: Iterable[str], excluded: Iterable[st
                 chosen = [g for g in members if g.gpu_id in lent_ids]
                 gpus += chosen
                 chosen_ids.update(g.gpu_id for g in chosen)
-                counts.update((g.gpu_type, g.node) for g in chosen)
+                if len(chosen) == len(members):  # the whole group is lent
+                    counts.update(state.group_node_counts[group])
+                else:
+                    counts.update((g.gpu_type, g.node) for g in chosen)
         elif allocations[allocation_id].status is AllocationStatus.GRANTED and (
             allocation_id not in skip
         ):
