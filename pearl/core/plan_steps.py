@@ -123,7 +123,7 @@ class _Steps:
             ordered: tuple[int, ...] = ()
             start_s = 0.0
         elif len(deps) == 1:
-            ordered = (deps[0],)
+            ordered = deps if type(deps) is tuple else (deps[0],)  # one tuple less
             start_s = self.end_s[deps[0]]
         else:
             ordered = tuple(sorted(set(deps)))
