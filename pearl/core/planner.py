@@ -106,7 +106,7 @@ def _pool(ctx: PlanContext) -> set[str]:
 
 def _plan_trainers(ctx: PlanContext, d: WorkerDecisions) -> None:
     """Offload trainers whose GPUs are lent, onload the others; shrink the pool if stuck."""
-    for w in ctx.state.workers:
+    for w in ctx.state.trainers:
         if w.kind is not WorkerKind.TRAINER or not w.live:
             continue
         lend = any(g in ctx.lent for g in w.gpu_ids)
@@ -157,11 +157,15 @@ def _keep(
     wanted = ctx.target.config.counts()
     rows: dict[_Class, list[Role]] = defaultdict(list)
     rest: dict[_Class, list[Worker]] = defaultdict(list)
+    unmet = {(s.gpu_type, s.tp) for s, n in wanted.items() if n > len(active.get(s, ()))}
     for spec in sorted(set(wanted) | set(active)):
-        cands = sorted(
-            active.get(spec, []), key=lambda w: (w.phase is not Phase.READY, w.worker_id)
-        )
+        cands = active.get(spec, [])
         n = min(wanted[spec], len(cands))
+        # The order decides which are kept, and is the assignment's column order where
+        # the class has unmet instances; elsewhere (all kept, or none kept and every
+        # other engine released) the order of the engines is not read.
+        if 0 < n < len(cands) or (spec.gpu_type, spec.tp) in unmet:
+            cands = sorted(cands, key=lambda w: (w.phase is not Phase.READY, w.worker_id))
         d.kept += cands[:n]
         rest[(spec.gpu_type, spec.tp)] += cands[n:]
         rows[(spec.gpu_type, spec.tp)] += [spec.role] * (wanted[spec] - n)

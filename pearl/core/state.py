@@ -246,6 +246,11 @@ class ClusterState(Frozen):
         return frozenset(g.gpu_id for g in self.gpus if g.lent)
 
     @cached_property
+    def trainers(self) -> tuple[Worker, ...]:
+        """The trainer workers (every worker that is not an engine), in the state's order."""
+        return tuple(w for w in self.workers if w.kind is not WorkerKind.ENGINE)
+
+    @cached_property
     def active_engines(self) -> tuple[Worker, ...]:
         """The live engines (``live_engines``) not asleep, in the state's order."""
         return tuple(w for w, _ in self.live_engines if w.role is not Role.IDLE)
@@ -269,8 +274,7 @@ class ClusterState(Frozen):
             if group is not None and any(not active or role is not Role.IDLE for role, *_ in kinds)
         }
         spanning = self.live_engines_by_group.get(None, ())
-        trainers = (w for w in self.workers if w.kind is not WorkerKind.ENGINE)
-        for w in (*(w for w, _ in spanning), *trainers):
+        for w in (*(w for w, _ in spanning), *self.trainers):
             if w.active if active else w.live:
                 hosting.update(self.gpu_by_id[gid].allocation_id for gid in w.gpu_ids)
         return frozenset(hosting)

@@ -111,6 +111,7 @@ def test_state_indexes_equal_their_definitions(data: st.DataObject) -> None:
     state = _varied_state(data)
     engines = [w for w in state.workers if w.kind is WorkerKind.ENGINE]
     assert state.active_engines == tuple(w for w in engines if w.active)
+    assert state.trainers == tuple(w for w in state.workers if w.kind is WorkerKind.TRAINER)
     on = state.gpu_by_id
     for name, holds in (("allocations_hosting_active", True), ("allocations_hosting_live", False)):
         hosting = {
