@@ -40,6 +40,8 @@ class DecisionContext:
     now_s: float
     _selections: dict[tuple[GpuBudget, bool], Selection] = field(default_factory=dict)
     _predictions: dict[PDConfig, Prediction] = field(default_factory=dict)
+    _pools: dict[tuple[frozenset[str], frozenset[str]], Pool] = field(default_factory=dict)
+    _pools_state: ClusterState | None = None  # the state ``_pools`` were made from
 
     @cached_property
     def current_config(self) -> PDConfig:
@@ -65,8 +67,14 @@ class DecisionContext:
         return self.state.lent_gpu_ids
 
     def rollout_gpus(self, lent: Iterable[str], excluded_allocations: Iterable[str] = ()) -> Pool:
-        """GPUs rollout may use: base rollout, usable granted elastic ones, and lent ones."""
-        return rollout_pool(self.state, lent, excluded_allocations)
+        """GPUs rollout may use: base rollout, usable granted elastic ones, and lent ones
+        (memoised per state: the rules and the final selection ask for the same pools)."""
+        if self._pools_state is not self.state:
+            self._pools, self._pools_state = {}, self.state
+        key = (frozenset(lent), frozenset(excluded_allocations))
+        if key not in self._pools:
+            self._pools[key] = rollout_pool(self.state, *key)
+        return self._pools[key]
 
     def budget(self, gpus: Iterable[Gpu], extra_nodes: Iterable[tuple[str, int]] = ()) -> GpuBudget:
         per_type: defaultdict[str, list[int]] = defaultdict(list)
