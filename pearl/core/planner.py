@@ -189,8 +189,9 @@ def _assign_class(
         _assign_min_cost(ctx, d, cls, rows, active, asleep)
         return
     d.new += [InstanceSpec(role, cls[0], cls[1]) for role in rows]
+    why = {a: (a, "not needed by the target") for a in (Action.SLEEP, Action.STOP)}  # shared
     for w in active:
-        d.release[w.worker_id] = (ctx.release_action(w), "not needed by the target")
+        d.release[w.worker_id] = why[ctx.release_action(w)]
     d.asleep_left += asleep
 
 
