@@ -127,7 +127,7 @@ def _sort_engines(
     active: dict[InstanceSpec, list[Worker]] = defaultdict(list)
     asleep: dict[_Class, list[Worker]] = defaultdict(list)
     live = ctx.state.live_engines  # (engine, its GPU type), in the state's order
-    engines_on = Counter(g for w, _ in live for g in w.gpu_ids)
+    engines_on: Counter[str] | None = None  # engines per GPU, counted when first asked
     specs: dict[tuple[Role, str, int], InstanceSpec] = {}  # one object per spec
     for w, gpu_type in live:
         in_pool = ctx.pool.issuperset(w.gpu_ids)
@@ -141,10 +141,13 @@ def _sort_engines(
             active[spec].append(w)
         elif w.role is not Role.IDLE:
             d.release[w.worker_id] = (ctx.release_action(w), "GPUs leave the rollout pool")
-        elif in_pool and all(engines_on[g] == 1 for g in w.gpu_ids):
-            asleep[(gpu_type, w.tp)].append(w)
         elif in_pool:
-            d.asleep_left.append(w)
+            if engines_on is None:
+                engines_on = Counter(g for v, _ in live for g in v.gpu_ids)
+            if all(engines_on[g] == 1 for g in w.gpu_ids):
+                asleep[(gpu_type, w.tp)].append(w)
+            else:
+                d.asleep_left.append(w)
         elif not ctx.on_base_train(w):
             d.release[w.worker_id] = (Action.STOP, "its allocation is going away")
     return active, asleep
