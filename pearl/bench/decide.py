@@ -8,10 +8,16 @@ cap); a rollout batch of N/2 trajectories in progress. Two figures:
   decision plans nothing);
 - ``reconfigure_ms``: one call on the freshly built state, whose configuration is far
   from the best one, so the decision carries a full reconfiguration plan.
+
+Garbage is collected before the reconfiguration call: building its state leaves the
+collector's counters where a full collection of everything the benchmark built (~50 ms at
+8,192 GPUs) could fall inside the one timed call or not, by the count of objects
+allocated before it. The collections the calls' own allocations trigger are counted.
 """
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from typing import Any
@@ -31,6 +37,7 @@ def bench_decide(num_gpus: int, repeats: int, profile_name: str, seed: int = 0) 
     fresh = build_state(Layout.for_gpus(num_gpus))
     workload = build_workload(np.random.default_rng(seed), max(8, num_gpus // 2))
     obs = Observation(trainer=TrainerStatus(phase=TrainerPhase.WAITING), workload=workload)
+    gc.collect()
     t0 = time.perf_counter()
     reconfigure = decide(fresh, obs, cfg, profile, 1.0)
     reconfigure_ms = (time.perf_counter() - t0) * 1e3

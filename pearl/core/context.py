@@ -12,7 +12,7 @@ import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property, partial
+from functools import cached_property
 
 from pearl.core.config import PolicyConfig
 from pearl.core.observation import Observation
@@ -26,8 +26,8 @@ from pearl.core.transition_cost import (
     Inventory,
     effective_completion_s,
     estimate_transition_s,
-    inventory_where,
     kept_gpu_share,
+    pool_inventory,
 )
 
 
@@ -40,6 +40,8 @@ class DecisionContext:
     now_s: float
     _selections: dict[tuple[GpuBudget, bool], Selection] = field(default_factory=dict)
     _predictions: dict[PDConfig, Prediction] = field(default_factory=dict)
+    _pools: dict[tuple[frozenset[str], frozenset[str]], Pool] = field(default_factory=dict)
+    _pools_state: ClusterState | None = None  # the state ``_pools`` were made from
 
     @cached_property
     def current_config(self) -> PDConfig:
@@ -77,8 +79,14 @@ class DecisionContext:
         return self.state.lent_gpu_ids
 
     def rollout_gpus(self, lent: Iterable[str], excluded_allocations: Iterable[str] = ()) -> Pool:
-        """GPUs rollout may use: base rollout, usable granted elastic ones, and lent ones."""
-        return rollout_pool(self.state, lent, excluded_allocations)
+        """GPUs rollout may use: base rollout, usable granted elastic ones, and lent ones
+        (memoised per state: the rules and the final selection ask for the same pools)."""
+        if self._pools_state is not self.state:
+            self._pools, self._pools_state = {}, self.state
+        key = (frozenset(lent), frozenset(excluded_allocations))
+        if key not in self._pools:
+            self._pools[key] = rollout_pool(self.state, *key)
+        return self._pools[key]
 
     def budget(self, gpus: Iterable[Gpu], extra_nodes: Iterable[tuple[str, int]] = ()) -> GpuBudget:
         per_type: defaultdict[str, list[int]] = defaultdict(list)
@@ -102,7 +110,7 @@ class DecisionContext:
         budget = self.budget(pool, extra_nodes)
         key = (budget, lending)
         if key not in self._selections:
-            inv = inventory_where(self.state, partial(pool.holds, self.state), lending)
+            inv = pool_inventory(self.state, pool, lending)
             self._selections[key] = select_pd(
                 self.prepared,
                 budget,

@@ -154,7 +154,7 @@ def _pool_changed(
     met)."""
     if pool and not state.active_engines:
         return True
-    if any(not pool.holds(state, w) for w in state.active_engines):
+    if not pool.holds_active_engines(state):
         return True
     if lending_changes:
         return True

@@ -90,18 +90,25 @@ class _Placer:
     ) -> None:
         self.hold_of = dict(hold_of)
         self.workers_on = workers_on
+        # GPUs of the workers that may yet be stopped instead (``convert_to_stop``)
         self.gpus_of_worker: dict[str, list[Gpu]] = defaultdict(list)
         self.gpus_of: dict[tuple[str, str], list[Gpu]] = defaultdict(list)
+        self.tier_of: dict[str, int] = {}  # GPU id -> ``tier``, kept as holds change
+        tier1: dict[tuple[str, str], int] = {}
         for g in pool_gpus:
-            self.gpus_of[(g.gpu_type, g.node)].append(g)
-            for w in workers_on.get(g.gpu_id, ()):
-                self.gpus_of_worker[w].append(g)
+            key = (g.gpu_type, g.node)
+            self.gpus_of[key].append(g)
+            workers = workers_on.get(g.gpu_id, ())
+            tier = FREE
+            for w in workers:
+                hold = self.hold_of[w]
+                tier = max(tier, hold)
+                if hold > Hold.STOPPED:
+                    self.gpus_of_worker[w].append(g)
+            self.tier_of[g.gpu_id] = tier
+            tier1[key] = tier1.get(key, 0) + (tier <= Hold.STOPPED)
         self.taken: set[str] = set()
         self.result = Placement()
-        tier1 = {
-            key: sum(1 for g in gpus if self.tier(g.gpu_id) <= Hold.STOPPED)
-            for key, gpus in self.gpus_of.items()
-        }
         self.nodes = _Nodes(tier1)
 
     def tier(self, gpu_id: str) -> int:
@@ -109,8 +116,12 @@ class _Placer:
 
     def usable(self, gpu_type: str, node: str, max_tier: int) -> list[Gpu]:
         """Untaken GPUs of the node at or below the tier, cheapest first, in pool order."""
-        gpus = [g for g in self.gpus_of[(gpu_type, node)] if g.gpu_id not in self.taken]
-        ranked = sorted((self.tier(g.gpu_id), i) for i, g in enumerate(gpus))
+        tier_of, taken = self.tier_of, self.taken
+        gpus = [g for g in self.gpus_of[(gpu_type, node)] if g.gpu_id not in taken]
+        tiers = [tier_of[g.gpu_id] for g in gpus]
+        if tiers and min(tiers) == max(tiers):  # one tier: pool order (what the sort keeps)
+            return gpus if tiers[0] <= max_tier else []
+        ranked = sorted(zip(tiers, range(len(gpus)), strict=True))
         return [gpus[i] for t, i in ranked if t <= max_tier]
 
     def place(self, spec: InstanceSpec) -> None:
@@ -154,25 +165,25 @@ class _Placer:
         }
 
     def commit(self, spec: InstanceSpec, node: str, gpus: list[Gpu]) -> None:
-        for w in sorted(self.to_stop(gpus)):
+        ids = tuple(g.gpu_id for g in gpus)
+        on = {w for gid in ids for w in self.workers_on.get(gid, ())}
+        for w in sorted(w for w in on if self.hold_of[w] > Hold.STOPPED):  # to_stop
             if self.hold_of[w] is Hold.SLEPT:
                 self.result.stop_instead_of_sleep.add(w)
             else:
                 self.result.stop_asleep.add(w)
             self.convert_to_stop(w)
-        ids = tuple(g.gpu_id for g in gpus)
         self.taken.update(ids)
         self.nodes.add(spec.gpu_type, node, -len(ids))
-        after = sorted({w for gid in ids for w in self.workers_on.get(gid, ())})
-        self.result.placed.append(Placed(spec, node, ids, tuple(after)))
+        self.result.placed.append(Placed(spec, node, ids, tuple(sorted(on))))
 
     def convert_to_stop(self, worker_id: str) -> None:
         """The worker is stopped instead: its GPUs that become tier 1 count as usable."""
-        gpus = [g for g in self.gpus_of_worker[worker_id] if g.gpu_id not in self.taken]
-        before = [self.tier(g.gpu_id) for g in gpus]
         self.hold_of[worker_id] = Hold.STOPPED
-        for g, tier in zip(gpus, before, strict=True):
-            if tier > Hold.STOPPED >= self.tier(g.gpu_id):
+        for g in self.gpus_of_worker[worker_id]:
+            before, after = self.tier_of[g.gpu_id], self.tier(g.gpu_id)
+            self.tier_of[g.gpu_id] = after
+            if g.gpu_id not in self.taken and before > Hold.STOPPED >= after:
                 self.nodes.add(g.gpu_type, g.node, 1)
 
 

@@ -14,14 +14,16 @@ reported in the plan's ``problems``.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from collections.abc import Iterable
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
+from typing import NamedTuple, Protocol
 
 from pearl.core.pd import InstanceSpec
 from pearl.core.placement import Placement
 from pearl.core.plan import Action, PlanStep, Target, TransitionPlan
 from pearl.core.profile import TransitionCosts
-from pearl.core.roles import GpuSource, Phase, Role, WorkerKind
+from pearl.core.roles import GpuSource, Phase, Role
 from pearl.core.state import AllocationStatus, ClusterState, Worker
 
 
@@ -42,12 +44,22 @@ class PlanContext:
         return self.state.gpu_by_id[w.gpu_ids[0]].gpu_type
 
     def on_base_train(self, w: Worker) -> bool:
+        group = self.state.worker_groups[w.worker_id]  # (allocation, source) of its GPUs
+        if group is not None:
+            return group[1] is GpuSource.BASE_TRAIN
         gpus = self.state.gpu_by_id
         return all(gpus[g].source is GpuSource.BASE_TRAIN for g in w.gpu_ids)
 
+    @cached_property
+    def may_have_deadlines(self) -> bool:
+        """Whether any GPU can have a vacate deadline (``_deadline_s``): a borrow window
+        is open or an allocation is leaving."""
+        state = self.state
+        return state.borrow is not None or any(a.status in _LEAVING for a in state.allocations)
+
     def release_action(self, w: Worker) -> Action:
         """How an engine leaves its role: sleep on base-train GPUs, stop elsewhere."""
-        if w.active and w.phase is not Phase.STOPPING and self.on_base_train(w):
+        if self.on_base_train(w) and w.active and w.phase is not Phase.STOPPING:
             return Action.SLEEP
         return Action.STOP
 
@@ -74,40 +86,96 @@ def is_stale(ctx: PlanContext, w: Worker) -> bool:
     return w.weights_version < ctx.state.policy_version
 
 
+class _Who(Protocol):
+    """The worker a step acts on: an existing ``Worker`` or a new engine (``_NewEngine``)."""
+
+    @property
+    def worker_id(self) -> str: ...
+    @property
+    def node(self) -> str: ...
+    @property
+    def gpu_ids(self) -> tuple[str, ...]: ...
+
+
+class _NewEngine(NamedTuple):
+    worker_id: str
+    node: str
+    gpu_ids: tuple[str, ...]
+
+
 class _Steps:
     """Appends steps in topological order; each starts when its last dependency ends."""
 
     def __init__(self) -> None:
         self.steps: list[PlanStep] = []
+        self.end_s: list[float] = []  # of each step (``PlanStep.end_s``)
 
     def add(
         self,
         action: Action,
-        w: Worker,
+        w: _Who,
         role: Role | None,
-        deps: Iterable[int],
+        deps: Sequence[int],
         duration_s: float,
         reason: str,
     ) -> int:
-        ordered = tuple(sorted(set(deps)))
-        start_s = max((self.steps[i].end_s for i in ordered), default=0.0)
+        if not deps:
+            ordered: tuple[int, ...] = ()
+            start_s = 0.0
+        elif len(deps) == 1:
+            ordered = deps if type(deps) is tuple else (deps[0],)  # one tuple less
+            start_s = self.end_s[deps[0]]
+        else:
+            ordered = tuple(sorted(set(deps)))
+            start_s = max([self.end_s[i] for i in ordered])
         step_id = len(self.steps)
         self.steps.append(
-            PlanStep(step_id, action, w.worker_id, w.node, w.gpu_ids, role, ordered, duration_s,
-                     start_s, reason)
+            _step(step_id, action, w.worker_id, w.node, w.gpu_ids, role, ordered, duration_s,
+                  start_s, reason)
         )  # fmt: skip
+        self.end_s.append(start_s + duration_s)
         return step_id
 
 
-def build_steps(ctx: PlanContext, d: WorkerDecisions, placement: Placement) -> list[PlanStep]:
+def _step(
+    step_id: int,
+    action: Action,
+    worker_id: str,
+    node: str,
+    gpu_ids: tuple[str, ...],
+    role: Role | None,
+    depends_on: tuple[int, ...],
+    duration_s: float,
+    start_s: float,
+    reason: str,
+) -> PlanStep:
+    """``PlanStep(...)`` without the frozen ``__init__``'s cost (a frozen dataclass's
+    fields live in its ``__dict__``): a third of the time, which counts with tens of
+    thousands of steps (``tests/core/test_planner.py`` checks the two are equal)."""
+    step = object.__new__(PlanStep)
+    fields = step.__dict__
+    fields["step_id"] = step_id
+    fields["action"] = action
+    fields["worker_id"] = worker_id
+    fields["node"] = node
+    fields["gpu_ids"] = gpu_ids
+    fields["role"] = role
+    fields["depends_on"] = depends_on
+    fields["duration_s"] = duration_s
+    fields["start_s"] = start_s
+    fields["reason"] = reason
+    return step
+
+
+def build_steps(ctx: PlanContext, d: WorkerDecisions, placement: Placement) -> _Steps:
     """Offloads, drains, releases and switches, onloads, wakes (and syncs), starts."""
     c, workers, s = ctx.costs, ctx.state.worker_by_id, _Steps()
     offload_at: dict[str, int] = {}
     for w in sorted(d.offload, key=_wid):
         i = s.add(Action.OFFLOAD, w, Role.IDLE, (), c.trainer_offload_s, "lend its GPUs to rollout")
         offload_at.update(dict.fromkeys(w.gpu_ids, i))
-    freed_at: dict[str, list[int]] = defaultdict(list)  # GPU -> steps that take engines off it
-    released_at: dict[str, int] = {}
+    released_at: dict[str, int] = {}  # engine -> the step that takes it off its GPUs
+    deadlines = ctx.may_have_deadlines
     for wid in sorted({*d.release, *d.switch}):
         w, role = workers[wid], d.switch.get(wid)
         if role is not None:
@@ -117,14 +185,16 @@ def build_steps(ctx: PlanContext, d: WorkerDecisions, placement: Placement) -> l
             action, why = d.release[wid]
             role = Role.IDLE if action is Action.SLEEP else None
             duration_s = c.sleep_s if action is Action.SLEEP else c.stop_s
-        deadline_s = _deadline_s(ctx, w)
+        deadline_s = _deadline_s(ctx, w) if deadlines else None
         i = s.add(action, w, role, _leave(ctx, s, w, duration_s, deadline_s), duration_s, why)
-        if deadline_s is not None and ctx.now_s + s.steps[i].end_s > deadline_s + 1e-9:
+        if deadline_s is not None and ctx.now_s + s.end_s[i] > deadline_s + 1e-9:
             ctx.problems.append(f"{wid} leaves its GPUs after their deadline {deadline_s:.1f} s")
         if action is not Action.SWITCH:
             released_at[wid] = i
-            for g in w.gpu_ids:
-                freed_at[g].append(i)
+    freed_at: dict[str, list[int]] = defaultdict(list)  # GPU -> steps that take engines off it
+    for wid, i in released_at.items() if d.onload else ():
+        for g in workers[wid].gpu_ids:
+            freed_at[g].append(i)
     for w in sorted(d.onload, key=_wid):
         deps = [i for g in w.gpu_ids for i in freed_at.get(g, ())]
         s.add(Action.ONLOAD, w, Role.TRAIN, deps, c.trainer_onload_s, "its GPUs return")
@@ -136,7 +206,7 @@ def build_steps(ctx: PlanContext, d: WorkerDecisions, placement: Placement) -> l
             why = f"weights v{w.weights_version} < policy v{ctx.state.policy_version}"
             s.add(Action.SYNC_WEIGHTS, w, None, (i,), c.weight_sync_s, why)
     _add_starts(ctx, s, placement, offload_at, released_at)
-    return s.steps
+    return s
 
 
 def _add_starts(
@@ -147,20 +217,14 @@ def _add_starts(
     released_at: dict[str, int],
 ) -> None:
     taken = set(ctx.state.worker_by_id)
+    why: dict[InstanceSpec, str] = {}
     for p in placement.placed:
-        wid = _new_worker_id(p.node, p.gpu_ids[0], taken)
-        w = Worker(worker_id=wid, kind=WorkerKind.ENGINE, node=p.node, gpu_ids=p.gpu_ids,
-                   role=p.spec.role, phase=Phase.STARTING)  # fmt: skip
+        w = _NewEngine(_new_worker_id(p.node, p.gpu_ids[0], taken), p.node, p.gpu_ids)
         deps = [offload_at[g] for g in p.gpu_ids if g in offload_at]
         deps += [released_at[v] for v in p.after_workers]
-        s.add(
-            Action.START,
-            w,
-            p.spec.role,
-            deps,
-            ctx.costs.engine_cold_start_s,
-            f"new {p.spec.label()}",
-        )
+        if p.spec not in why:
+            why[p.spec] = f"new {p.spec.label()}"
+        s.add(Action.START, w, p.spec.role, deps, ctx.costs.engine_cold_start_s, why[p.spec])
 
 
 def _new_worker_id(node: str, first_gpu_id: str, taken: set[str]) -> str:
@@ -177,7 +241,7 @@ def _leave(
     ctx: PlanContext, s: _Steps, w: Worker, then_s: float, deadline_s: float | None
 ) -> tuple[int, ...]:
     """Drain (or migrate, when draining would miss the deadline) an engine with requests."""
-    if not (w.active and w.phase in (Phase.READY, Phase.DRAINING)):
+    if w.phase not in (Phase.READY, Phase.DRAINING) or w.role is Role.IDLE:  # not active
         return ()
     drain_s = ctx.drain_estimate_s
     if deadline_s is None or ctx.now_s + drain_s + then_s <= deadline_s:
@@ -214,8 +278,16 @@ def _wid(w: Worker) -> str:
     return w.worker_id
 
 
-def summarize(ctx: PlanContext, d: WorkerDecisions, steps: list[PlanStep]) -> TransitionPlan:
-    changes = Counter(s.action for s in steps if s.action in _CHANGES)
+def summarize(ctx: PlanContext, d: WorkerDecisions, built: _Steps) -> TransitionPlan:
+    steps = built.steps
+    changes: Counter[Action] = Counter()
+    changed: set[str] = set()  # workers in a change step
+    busy_s: float = 0  # GPU-seconds, summed in step order from 0 (as sum() does)
+    for s in steps:
+        if s.action in _CHANGES:
+            changes[s.action] += 1
+            changed.add(s.worker_id)
+        busy_s += s.duration_s * len(s.gpu_ids)
     goal = ctx.target.config.label() + (f", {len(ctx.lent)} GPUs lent" if ctx.lent else "")
     if not steps:
         reason = f"already at {goal}"
@@ -225,9 +297,9 @@ def summarize(ctx: PlanContext, d: WorkerDecisions, steps: list[PlanStep]) -> Tr
     return TransitionPlan(
         target=ctx.target,
         steps=tuple(steps),
-        num_role_changes=len({s.worker_id for s in steps if s.action in _CHANGES}),
-        makespan_s=max((s.end_s for s in steps), default=0.0),
-        gpu_busy_s=sum(s.duration_s * len(s.gpu_ids) for s in steps),
+        num_role_changes=len(changed),
+        makespan_s=max(built.end_s, default=0.0),
+        gpu_busy_s=busy_s,
         reason=reason,
         problems=tuple(ctx.problems),
     )

@@ -93,21 +93,20 @@ def _valid_lent(ctx: PlanContext) -> frozenset[str]:
 
 
 def _pool(ctx: PlanContext) -> set[str]:
+    """Base-train GPUs lent, and every GPU of the other groups of a granted allocation."""
     allocations = ctx.state.allocation_by_id
-    pool = set()
-    for g in ctx.state.gpus:
-        if g.source is GpuSource.BASE_TRAIN:
-            usable = g.gpu_id in ctx.lent
-        else:
-            usable = allocations[g.allocation_id].status is AllocationStatus.GRANTED
-        if usable:
-            pool.add(g.gpu_id)
+    pool: set[str] = set()
+    for (allocation_id, source), gpus in ctx.state.gpu_groups.items():
+        if source is GpuSource.BASE_TRAIN:
+            pool.update(g.gpu_id for g in gpus if g.gpu_id in ctx.lent)
+        elif allocations[allocation_id].status is AllocationStatus.GRANTED:
+            pool.update(g.gpu_id for g in gpus)
     return pool
 
 
 def _plan_trainers(ctx: PlanContext, d: WorkerDecisions) -> None:
     """Offload trainers whose GPUs are lent, onload the others; shrink the pool if stuck."""
-    for w in ctx.state.workers:
+    for w in ctx.state.trainers:
         if w.kind is not WorkerKind.TRAINER or not w.live:
             continue
         lend = any(g in ctx.lent for g in w.gpu_ids)
@@ -127,23 +126,28 @@ def _sort_engines(
     """Active engines in the pool by spec, wake candidates by class; the rest decided."""
     active: dict[InstanceSpec, list[Worker]] = defaultdict(list)
     asleep: dict[_Class, list[Worker]] = defaultdict(list)
-    engines_on = Counter(
-        g for w in ctx.state.workers if w.live and w.kind is WorkerKind.ENGINE for g in w.gpu_ids
-    )
-    for w in ctx.state.workers:
-        if w.kind is not WorkerKind.ENGINE or not w.live:
-            continue
+    live = ctx.state.live_engines  # (engine, its GPU type), in the state's order
+    engines_on: Counter[str] | None = None  # engines per GPU, counted when first asked
+    specs: dict[tuple[Role, str, int], InstanceSpec] = {}  # one object per spec
+    for w, gpu_type in live:
         in_pool = ctx.pool.issuperset(w.gpu_ids)
         if w.phase not in _SETTLING:
             d.release[w.worker_id] = (ctx.release_action(w), f"finish {w.phase.value}")
         elif w.role is not Role.IDLE and in_pool:
-            active[InstanceSpec(w.role, ctx.gpu_type(w), w.tp)].append(w)
+            key = (w.role, gpu_type, len(w.gpu_ids))
+            spec = specs.get(key)
+            if spec is None:
+                spec = specs[key] = InstanceSpec(*key)
+            active[spec].append(w)
         elif w.role is not Role.IDLE:
             d.release[w.worker_id] = (ctx.release_action(w), "GPUs leave the rollout pool")
-        elif in_pool and all(engines_on[g] == 1 for g in w.gpu_ids):
-            asleep[(ctx.gpu_type(w), w.tp)].append(w)
         elif in_pool:
-            d.asleep_left.append(w)
+            if engines_on is None:
+                engines_on = Counter(g for v, _ in live for g in v.gpu_ids)
+            if all(engines_on[g] == 1 for g in w.gpu_ids):
+                asleep[(gpu_type, w.tp)].append(w)
+            else:
+                d.asleep_left.append(w)
         elif not ctx.on_base_train(w):
             d.release[w.worker_id] = (Action.STOP, "its allocation is going away")
     return active, asleep
@@ -156,11 +160,15 @@ def _keep(
     wanted = ctx.target.config.counts()
     rows: dict[_Class, list[Role]] = defaultdict(list)
     rest: dict[_Class, list[Worker]] = defaultdict(list)
+    unmet = {(s.gpu_type, s.tp) for s, n in wanted.items() if n > len(active.get(s, ()))}
     for spec in sorted(set(wanted) | set(active)):
-        cands = sorted(
-            active.get(spec, []), key=lambda w: (w.phase is not Phase.READY, w.worker_id)
-        )
+        cands = active.get(spec, [])
         n = min(wanted[spec], len(cands))
+        # The order decides which are kept, and is the assignment's column order where
+        # the class has unmet instances; elsewhere (all kept, or none kept and every
+        # other engine released) the order of the engines is not read.
+        if 0 < n < len(cands) or (spec.gpu_type, spec.tp) in unmet:
+            cands = sorted(cands, key=lambda w: (w.phase is not Phase.READY, w.worker_id))
         d.kept += cands[:n]
         rest[(spec.gpu_type, spec.tp)] += cands[n:]
         rows[(spec.gpu_type, spec.tp)] += [spec.role] * (wanted[spec] - n)
@@ -168,6 +176,29 @@ def _keep(
 
 
 def _assign_class(
+    ctx: PlanContext,
+    d: WorkerDecisions,
+    cls: _Class,
+    rows: list[Role],
+    active: list[Worker],
+    asleep: list[Worker],
+) -> None:
+    """One class's unmet instances on its engines or new starts (``_assign_min_cost``).
+
+    Without unmet instances every engine is left over; without engines every instance
+    is a new start: what the assignment returns then (``tests/core/test_planner.py``),
+    without building a matrix of up to thousands of rows and columns."""
+    if rows and (active or asleep):
+        _assign_min_cost(ctx, d, cls, rows, active, asleep)
+        return
+    d.new += [InstanceSpec(role, cls[0], cls[1]) for role in rows]
+    why = {a: (a, "not needed by the target") for a in (Action.SLEEP, Action.STOP)}  # shared
+    for w in active:
+        d.release[w.worker_id] = why[ctx.release_action(w)]
+    d.asleep_left += asleep
+
+
+def _assign_min_cost(
     ctx: PlanContext,
     d: WorkerDecisions,
     cls: _Class,
@@ -260,11 +291,14 @@ def _place(ctx: PlanContext, d: WorkerDecisions) -> Placement:
         hold_of[w.worker_id] = Hold.ASLEEP
     for wid, (action, _) in d.release.items():
         hold_of[wid] = Hold.SLEPT if action is Action.SLEEP else Hold.STOPPED
-    workers_on: dict[str, list[str]] = defaultdict(list)
-    for wid in sorted(hold_of):
+    workers_on: dict[str, list[str]] = defaultdict(list)  # each list sorted by worker id
+    for wid in hold_of:
         for g in workers[wid].gpu_ids:
             if g in ctx.pool:
                 workers_on[g].append(wid)
+    for wids in workers_on.values():
+        if len(wids) > 1:
+            wids.sort()
     pool_gpus: list[Gpu] = [g for g in ctx.state.gpus if g.gpu_id in ctx.pool]
     placement = place_instances(d.new, pool_gpus, workers_on, hold_of)
     for wid in sorted(placement.stop_instead_of_sleep | placement.stop_asleep):

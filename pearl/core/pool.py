@@ -4,8 +4,8 @@ A pool is made of whole groups of a state's GPUs (one group per allocation and s
 the base rollout GPUs, each granted elastic allocation) and a subset of the trainer's
 (the lent ones). A decision derives a GPU budget, an engine inventory and node sizes
 from its pools several times; per group those are read from the state's indexes
-(computed once per snapshot), so none of it scans every GPU (``bench decide`` at 8,192
-GPUs). A pool is a sequence of its GPUs, in the order of the state's groups.
+(computed once per snapshot), so none of it scans every GPU or engine (``bench decide``
+at 8,192 GPUs). A pool is a sequence of its GPUs, in the order of the state's groups.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import overload
 
-from pearl.core.roles import GpuSource
+from pearl.core.roles import GpuSource, Role
 from pearl.core.state import AllocationStatus, ClusterState, Gpu, Worker
 
 Group = tuple[str, GpuSource]  # (allocation id, source)
@@ -53,6 +53,32 @@ class Pool(Sequence[Gpu]):
             return True
         return group[1] is GpuSource.BASE_TRAIN and self.lent_ids.issuperset(worker.gpu_ids)
 
+    def holds_group(self, state: ClusterState, group: Group | None) -> bool | None:
+        """Whether ``holds`` is true for every worker of ``state.worker_groups``'s
+        ``group`` (True), for none (False), or must be asked per worker (None)."""
+        if group is None:
+            return None
+        if group in self.whole_groups:
+            return True
+        if group[1] is not GpuSource.BASE_TRAIN or not self.lent_ids:
+            return False
+        if self.lent_ids.issuperset(g.gpu_id for g in state.gpu_groups[group]):
+            return True
+        return None
+
+    def holds_active_engines(self, state: ClusterState) -> bool:
+        """Whether every active engine of ``state`` is in the pool, read per group."""
+        for group, kinds in state.engine_kinds_by_group.items():
+            held = self.holds_group(state, group)
+            if held is True or not any(role is not Role.IDLE for role, *_ in kinds):
+                continue
+            if held is False:
+                return False
+            engines = state.live_engines_by_group[group]
+            if any(w.active and not self.holds(state, w) for w, _ in engines):
+                return False
+        return True
+
 
 def rollout_pool(state: ClusterState, lent: Iterable[str], excluded: Iterable[str]) -> Pool:
     """Base rollout GPUs, the granted elastic ones of allocations not ``excluded``, and
@@ -71,7 +97,10 @@ def rollout_pool(state: ClusterState, lent: Iterable[str], excluded: Iterable[st
                 chosen = [g for g in members if g.gpu_id in lent_ids]
                 gpus += chosen
                 chosen_ids.update(g.gpu_id for g in chosen)
-                counts.update((g.gpu_type, g.node) for g in chosen)
+                if len(chosen) == len(members):  # the whole group is lent
+                    counts.update(state.group_node_counts[group])
+                else:
+                    counts.update((g.gpu_type, g.node) for g in chosen)
         elif allocations[allocation_id].status is AllocationStatus.GRANTED and (
             allocation_id not in skip
         ):

@@ -134,11 +134,10 @@ def select_pd(
         for t in budget.types()
         if t not in profile.gpus
     )
-    layouts = [
-        _SplitLayout(budget, profile, tp_p, tp_d) for tp_p, tp_d in _tp_pairs(budget, profile)
-    ]
+    shape = _BudgetShape(budget, profile)
+    layouts = [_SplitLayout(shape, profile, tp_p, tp_d) for tp_p, tp_d in _tp_pairs(shape)]
     layouts = [lay for lay in layouts if lay.max_prefill >= 1 and cfg.modes != "colocated"]
-    colocated = _colocated_configs(budget, profile) if cfg.modes != "disaggregated" else []
+    colocated = _colocated_configs(shape) if cfg.modes != "disaggregated" else []
     fitting_extra = [
         c
         for c in extra
@@ -246,22 +245,37 @@ def _usable_tps(budget: GpuBudget, profile: RuntimeProfile, gpu_type: str) -> tu
     return tuple(tp for tp in profile.feasible_tps(gpu_type) if tp <= biggest_node)
 
 
-def _colocated_configs(budget: GpuBudget, profile: RuntimeProfile) -> list[PDConfig]:
-    types = [t for t in budget.types() if _usable_tps(budget, profile, t)]
-    choices = [_usable_tps(budget, profile, t) for t in types]
+class _BudgetShape:
+    """What the candidates of a budget are made from, per GPU type, read once per
+    selection (a budget of thousands of GPUs lists a thousand nodes): the usable TP
+    degrees, the nodes as (free GPUs, how many nodes) largest first, and the type's
+    prefill advantage."""
+
+    def __init__(self, budget: GpuBudget, profile: RuntimeProfile) -> None:
+        self.types = budget.types()
+        self.usable_tps = {t: _usable_tps(budget, profile, t) for t in self.types}
+        self.nodes = {
+            t: sorted(Counter(budget.node_sizes(t)).items(), reverse=True) for t in self.types
+        }
+        self.advantage = {t: prefill_advantage(profile, t) for t in self.types}
+
+
+def _colocated_configs(shape: _BudgetShape) -> list[PDConfig]:
+    types = [t for t in shape.types if shape.usable_tps[t]]
+    choices = [shape.usable_tps[t] for t in types]
     combos = list(itertools.islice(itertools.product(*choices), _MAX_TP_COMBOS))
     configs = []
     for combo in combos:
         counts = {
-            InstanceSpec(Role.COLOCATED, t, tp): sum(n // tp for n in budget.node_sizes(t))
+            InstanceSpec(Role.COLOCATED, t, tp): sum(n // tp * k for n, k in shape.nodes[t])
             for t, tp in zip(types, combo, strict=True)
         }
         configs.append(PDConfig.of(counts))
     return [c for c in configs if c.instances]
 
 
-def _tp_pairs(budget: GpuBudget, profile: RuntimeProfile) -> list[tuple[int, int]]:
-    tps = sorted({tp for t in budget.types() for tp in _usable_tps(budget, profile, t)})
+def _tp_pairs(shape: _BudgetShape) -> list[tuple[int, int]]:
+    tps = sorted({tp for t in shape.types for tp in shape.usable_tps[t]})
     return list(itertools.product(tps, tps))
 
 
@@ -286,16 +300,14 @@ def prefill_advantage(profile: RuntimeProfile, gpu_type: str) -> float:
 class _SplitLayout:
     """Disaggregated configurations of one TP pair, indexed by the prefill instance count."""
 
-    def __init__(self, budget: GpuBudget, profile: RuntimeProfile, tp_p: int, tp_d: int) -> None:
+    def __init__(self, shape: _BudgetShape, profile: RuntimeProfile, tp_p: int, tp_d: int) -> None:
         self.tp_p, self.tp_d = tp_p, tp_d
-        types = sorted(budget.types(), key=lambda t: (-prefill_advantage(profile, t), t))
+        types = sorted(shape.types, key=lambda t: (-shape.advantage[t], t))
         self.types = [t for t in types if t in profile.gpus]
-        self.prefill_ok = [tp_p in _usable_tps(budget, profile, t) for t in self.types]
-        self.decode_ok = [tp_d in _usable_tps(budget, profile, t) for t in self.types]
+        self.prefill_ok = [tp_p in shape.usable_tps[t] for t in self.types]
+        self.decode_ok = [tp_d in shape.usable_tps[t] for t in self.types]
         # Per type, its nodes as (free GPUs, how many nodes), largest first.
-        self.nodes = [
-            sorted(Counter(budget.node_sizes(t)).items(), reverse=True) for t in self.types
-        ]
+        self.nodes = [shape.nodes[t] for t in self.types]
         # Cumulative prefill slots over the types in order, and per type over its nodes.
         self.type_slots = [
             sum(n // tp_p * k for n, k in ns) if ok else 0

@@ -141,6 +141,9 @@ class BorrowWindow(Frozen):
     )
 
 
+EngineKind = tuple[Role, Phase, str, int, int]  # role, phase, GPU type, TP, weights version
+
+
 class ClusterState(Frozen):
     schema_version: Literal[1] = Field(1, description="Version of this document's schema.")
     version: NonNegInt = Field(0, description="Increments with every applied change.")
@@ -192,14 +195,46 @@ class ClusterState(Frozen):
         }
 
     @cached_property
+    def group_of_gpu(self) -> dict[str, tuple[str, GpuSource]]:
+        """GPU id -> its group of ``gpu_groups``."""
+        return {g.gpu_id: key for key, gpus in self.gpu_groups.items() for g in gpus}
+
+    @cached_property
     def worker_groups(self) -> dict[str, tuple[str, GpuSource] | None]:
         """Worker id -> the group of ``gpu_groups`` all its GPUs are in (None: several)."""
+        group_of = self.group_of_gpu
         out: dict[str, tuple[str, GpuSource] | None] = {}
         for w in self.workers:
-            gpus = [self.gpu_by_id[gid] for gid in w.gpu_ids]
-            groups = {(g.allocation_id, g.source) for g in gpus}
+            if len(w.gpu_ids) == 1:
+                out[w.worker_id] = group_of[w.gpu_ids[0]]
+                continue
+            groups = {group_of[gid] for gid in w.gpu_ids}
             out[w.worker_id] = groups.pop() if len(groups) == 1 else None
         return out
+
+    @cached_property
+    def live_engines_by_group(
+        self,
+    ) -> dict[tuple[str, GpuSource] | None, tuple[tuple[Worker, str], ...]]:
+        """``live_engines`` by their group of ``worker_groups``, each in the state's order."""
+        groups = self.worker_groups
+        out: dict[tuple[str, GpuSource] | None, list[tuple[Worker, str]]] = {}
+        for engine in self.live_engines:
+            out.setdefault(groups[engine[0].worker_id], []).append(engine)
+        return {group: tuple(engines) for group, engines in out.items()}
+
+    @cached_property
+    def engine_kinds_by_group(
+        self,
+    ) -> dict[tuple[str, GpuSource] | None, Counter[EngineKind]]:
+        """Per group of ``live_engines_by_group``: its live engines counted by (role,
+        phase, GPU type, TP, weights version): what a pool's engine inventory reads."""
+        return {
+            group: Counter(
+                (w.role, w.phase, gpu_type, len(w.gpu_ids), w.weights_version) for w, gpu_type in ws
+            )
+            for group, ws in self.live_engines_by_group.items()
+        }
 
     @cached_property
     def base_train_gpu_ids(self) -> tuple[str, ...]:
@@ -211,22 +246,38 @@ class ClusterState(Frozen):
         return frozenset(g.gpu_id for g in self.gpus if g.lent)
 
     @cached_property
+    def trainers(self) -> tuple[Worker, ...]:
+        """The trainer workers (every worker that is not an engine), in the state's order."""
+        return tuple(w for w in self.workers if w.kind is not WorkerKind.ENGINE)
+
+    @cached_property
     def active_engines(self) -> tuple[Worker, ...]:
-        return tuple(w for w in self.workers if w.kind is WorkerKind.ENGINE and w.active)
+        """The live engines (``live_engines``) not asleep, in the state's order."""
+        return tuple(w for w, _ in self.live_engines if w.role is not Role.IDLE)
 
     @cached_property
     def allocations_hosting_active(self) -> frozenset[str]:
         """Allocations with an active worker on one of their GPUs."""
-        return frozenset(
-            self.gpu_by_id[gid].allocation_id for w in self.workers if w.active for gid in w.gpu_ids
-        )
+        return self._allocations_hosting(active=True)
 
     @cached_property
     def allocations_hosting_live(self) -> frozenset[str]:
         """Allocations with a live worker (asleep ones too) on one of their GPUs."""
-        return frozenset(
-            self.gpu_by_id[gid].allocation_id for w in self.workers if w.live for gid in w.gpu_ids
-        )
+        return self._allocations_hosting(active=False)
+
+    def _allocations_hosting(self, active: bool) -> frozenset[str]:
+        """The allocations of the live (or active) workers' GPUs: engines read per group
+        (``engine_kinds_by_group``), trainers and engines spanning groups one by one."""
+        hosting = {
+            group[0]
+            for group, kinds in self.engine_kinds_by_group.items()
+            if group is not None and any(not active or role is not Role.IDLE for role, *_ in kinds)
+        }
+        spanning = self.live_engines_by_group.get(None, ())
+        for w in (*(w for w, _ in spanning), *self.trainers):
+            if w.active if active else w.live:
+                hosting.update(self.gpu_by_id[gid].allocation_id for gid in w.gpu_ids)
+        return frozenset(hosting)
 
     @cached_property
     def live_engines(self) -> tuple[tuple[Worker, str], ...]:
@@ -234,7 +285,7 @@ class ClusterState(Frozen):
         return tuple(
             (w, self.gpu_by_id[w.gpu_ids[0]].gpu_type)
             for w in self.workers
-            if w.kind is WorkerKind.ENGINE and w.live
+            if w.kind is WorkerKind.ENGINE and w.phase in LIVE_PHASES  # w.live
         )
 
     @cached_property
@@ -242,9 +293,10 @@ class ClusterState(Frozen):
         """(role, GPU type, TP) -> how many live engines serve or are becoming that role
         (draining and stopping ones are leaving it): ``pd.config_of``'s counts."""
         counts: Counter[tuple[Role, str, int]] = Counter()
-        for w, gpu_type in self.live_engines:
-            if w.role in INFERENCE_ROLES and w.phase not in (Phase.DRAINING, Phase.STOPPING):
-                counts[(w.role, gpu_type, w.tp)] += 1
+        for kinds in self.engine_kinds_by_group.values():
+            for (role, phase, gpu_type, tp, _), n in kinds.items():
+                if role in INFERENCE_ROLES and phase not in (Phase.DRAINING, Phase.STOPPING):
+                    counts[(role, gpu_type, tp)] += n
         return dict(counts)
 
     def live_workers(self) -> tuple[Worker, ...]:

@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from pearl.core.pd import PDConfig
+from pearl.core.pool import Pool
 from pearl.core.profile import TransitionCosts
 from pearl.core.roles import INFERENCE_ROLES, Phase, Role
 from pearl.core.state import ClusterState, Worker
@@ -68,6 +69,34 @@ def inventory_where(
             asleep[cls] += 1
             if w.weights_version < state.policy_version:
                 stale.add(cls)
+    return Inventory(dict(active), asleep, frozenset(stale), lending)
+
+
+def pool_inventory(state: ClusterState, pool: Pool, lending: bool) -> Inventory:
+    """``inventory_where(state, partial(pool.holds, state), lending)``, read per group of
+    the state's engines (``ClusterState.engine_kinds_by_group``) where the pool holds a
+    group whole or not at all (``tests/core/test_transition_cost.py``)."""
+    active: defaultdict[GpuClass, Counter[Role]] = defaultdict(Counter)
+    asleep: Counter[GpuClass] = Counter()
+    stale: set[GpuClass] = set()
+    for group, kinds in state.engine_kinds_by_group.items():
+        held = pool.holds_group(state, group)
+        if held is False:
+            continue
+        if held is None:  # engine by engine
+            kinds = Counter(
+                (w.role, w.phase, gpu_type, w.tp, w.weights_version)
+                for w, gpu_type in state.live_engines_by_group[group]
+                if pool.holds(state, w)
+            )
+        for (role, phase, gpu_type, tp, weights_version), n in kinds.items():
+            cls = (gpu_type, tp)
+            if role in INFERENCE_ROLES and phase not in (Phase.DRAINING, Phase.STOPPING):
+                active[cls][role] += n
+            elif role is Role.IDLE:
+                asleep[cls] += n
+                if weights_version < state.policy_version:
+                    stale.add(cls)
     return Inventory(dict(active), asleep, frozenset(stale), lending)
 
 
