@@ -17,10 +17,11 @@ rule over the router's :class:`~pearl.router.instances.InstanceTable`:
 A turn whose request comes back aborted (a migration took it off its instance, a pause
 with ``mode=abort``, a sleep) is continued: its prompt grows by the tokens generated so far,
 its ``max_tokens`` shrinks by as many, and it is routed again, so no token is generated
-twice and the turn's output is the concatenation. A turn with no instance to go to, or whose every
-instance holds as many requests as its engine runs at once (``pearl.serving.routing.full``),
-waits (parked) until the table changes or one of them has room; a prefill that finds no decode instance accepting (a
-plan is changing the pools) frees its held KV and the turn is routed again. An instance
+twice and the turn's output is the concatenation. A turn with no instance to go to, or
+whose every instance holds as many requests as its engine runs at once
+(``pearl.serving.routing.full``), waits (parked) until the table changes or one of them
+has room; a prefill that finds no decode instance accepting (a plan is changing the
+pools) frees its held KV and the turn is routed again. An instance
 that does not answer is skipped for that turn, which is routed again. Tries that bring no
 token back the router backs off from (exponentially, up to 0.5 s), and gives the turn up
 (``TurnFailed``) after ``MAX_FUTILE_TRIES`` of them in a row.
