@@ -171,6 +171,82 @@ def in_order_section(name: str, first_completed: dict[str, float]) -> list[str]:
     return lines
 
 
+FAMILY_BASES = [f"benchmarks/scenarios/{name}.yaml" for name in SCENARIOS]
+FAMILY_DURATION_S = 900  # half the shipped scenarios' 30 minutes: 30 variants x 3 seeds
+DRAWN = 12  # variants of the drawn family (pearl.sim.family.drawn)
+DRAWN_SEED = 2026
+
+
+def family_section(drawn: bool) -> list[str]:
+    """The family of ``pearl family`` (canonical, or drawn at random), 3 seeds each: every
+    variant's throughput per policy, pearl's ratio to each baseline (the worst over the
+    family), and the issue's two expectations on it."""
+    what = "drawn" if drawn else "canonical"
+    out = ROOT / "runs" / "results" / f"family-{what}"
+    args = ["family", *FAMILY_BASES, "--json", "--out", str(out), "--seeds", "3"]
+    args += ["--duration-s", str(FAMILY_DURATION_S)]
+    if drawn:
+        args += ["--draw", str(DRAWN), "--draw-seed", str(DRAWN_SEED)]
+    result, wall_s = run_json(args)
+    png = ROOT / "docs" / f"results-family-{what}.png"
+    if (out / "family.png").exists():
+        png.write_bytes((out / "family.png").read_bytes())
+    rows = result["points"]
+    baselines = list(rows[0]["ratios"])
+    command = f"pearl family {' '.join(FAMILY_BASES)} --seeds 3 --duration-s {FAMILY_DURATION_S}"
+    if drawn:
+        command += f" --draw {DRAWN} --draw-seed {DRAWN_SEED}"
+    lines = [
+        f"### The {what} family",
+        "",
+        f"`{command}` ({len(rows)} variants, {FAMILY_DURATION_S} s simulated each, 3 seeds, "
+        f"{wall_s:.0f} s wall on 2 processes; each variant's fields are in "
+        f"`runs/results/family-{what}/family.json`). Traj/h, means over the seeds.",
+        "",
+        "| variant | elastic / base rollout | pearl | "
+        + " | ".join(baselines)
+        + " | pearl / best baseline | pearl / rlboost-plus | pearl of oracle |",
+        "|---|---|---|" + "---|" * len(baselines) + "---|---|---|",
+    ]
+    short = 0
+    behind = []
+    for r in rows:
+        pol = r["policies"]
+        tph = {n: e["throughput_traj_per_h"] for n, e in pol.items()}
+        best = min(r["ratios"].values())
+        factor = r["elastic_over_base_rollout"]
+        vs_rlboost = r["ratios"].get("rlboost-plus")
+        if factor is None or factor >= 1.0:
+            short += vs_rlboost is not None and vs_rlboost < 1.25
+        if best < 1.0:
+            behind.append(r["point"]["variant"])
+        lines.append(
+            f"| {r['point']['variant']} | {'no cap' if factor is None else f'{factor:.1f}'} "
+            f"| {fmt(tph['pearl'])} | "
+            + " | ".join(fmt(tph[b]) for b in baselines)
+            + f" | {best:.3f} | {fmt(vs_rlboost, '.3f')} "
+            f"| {fmt(pol['pearl']['oracle_fraction'], '.3f')} |"
+        )
+    ample = [
+        r
+        for r in rows
+        if r["elastic_over_base_rollout"] is None or r["elastic_over_base_rollout"] >= 1.0
+    ]
+    lines += [""]
+    for name, w in result["worst_ratio"].items():
+        lines.append(f"- pearl / {name}: worst {w['ratio']:.3f} at {w['point']['variant']}")
+    lines += [
+        f"- pearl at or above every baseline: {len(rows) - len(behind)} of {len(rows)} variants"
+        + (f" (behind on {', '.join(behind)})" if behind else ""),
+        f"- pearl >= 1.25x rlboost-plus where elastic supply >= the base rollout GPUs: "
+        f"{len(ample) - short} of {len(ample)} variants",
+        "",
+        f"![{what} family](results-family-{what}.png)",
+        "",
+    ]
+    return lines
+
+
 def dev_cluster_section() -> list[str]:
     """The dev-cluster section from its committed figures (none measured: no section)."""
     if not dev_cluster_results.MEASURED.exists():
@@ -202,6 +278,10 @@ def main() -> int:
     for name in SCENARIOS:
         print(f"running {name} ...", file=sys.stderr)
         sections += scenario_section(name)
+    sections += ["## The scenario family", ""]
+    for drawn in (False, True):
+        print(f"running the {'drawn' if drawn else 'canonical'} family ...", file=sys.stderr)
+        sections += family_section(drawn)
     speed, _ = run_json(["bench", "sim", "--gpus", "256", "--sim-hours", "0.25", "--json"])
     text = [
         "# Results",

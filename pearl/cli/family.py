@@ -70,6 +70,15 @@ def base_of(scenario: Scenario) -> BaseScenario:
     )
 
 
+def elastic_cap_gpus(scenario: Scenario) -> float:
+    """The most elastic GPUs the scenario's source opens at once (inf: no cap)."""
+    el = scenario.elastic
+    section = el.trace or el.synthetic
+    if section is None:
+        return 0.0
+    return float(section.max_gpus) if section.max_gpus is not None else float("inf")
+
+
 def family_variants(
     paths: list[Path], draw: int | None, draw_seed: int, only: str | None
 ) -> list[tuple[Variant, Path, dict[str, Any]]]:
@@ -124,8 +133,11 @@ def run(args: argparse.Namespace) -> int:
     jobs = args.jobs or os.cpu_count() or 1
     started = time.monotonic()
     rows = run_points(points, policies, args.seeds, jobs)
-    for row, (variant, _, _) in zip(rows, family, strict=True):
+    for row, (variant, _, _), (_, scenario, _) in zip(rows, family, points, strict=True):
         row["fields"] = {field: value for field, value in variant.point}
+        row["elastic_over_base_rollout"] = elastic_cap_gpus(scenario) / max(
+            scenario.cluster.rollout.gpus, 1
+        )
     worst_ratio = worst([(tuple(r["point"].items()), r["ratios"]) for r in rows])
     result = {
         "scenario": "family" if args.draw is None else f"family-drawn-{args.draw_seed}",

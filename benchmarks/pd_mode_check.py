@@ -1,0 +1,128 @@
+"""Where the predictor and the simulator disagree on the PD mode (issue 18).
+
+    .venv/bin/python benchmarks/pd_mode_check.py [--duration-s 900] [--seeds 1] [--jobs 2]
+
+For each shipped scenario and each variant of output length and tool latency
+(``pearl.sim.family.workload``), pearl runs held to one PD mode at a time
+(``policy.selection.modes``: colocated, disaggregated) and free (``any``). Per run:
+the simulated throughput, and the predictor's error on the run's own decisions (each
+decision's predicted time to the next batch against the time the run took; ``pearl bench
+predictor``'s pairs): the median of predicted / actual. Printed as JSON, one entry per
+variant: which held mode the simulator says is faster, by how much, which the predictor's
+error says it over- or underrates, and which mode the free run held most.
+
+A mode the predictor underrates (predicted / actual high) against the other is one it
+avoids wrongly; one it overrates it picks wrongly. The free run's mode share says which
+it picked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pearl.io.scenarios import load_scenario_and_profile, scenario_of_document
+from pearl.io.simulation import run_inputs
+from pearl.sim.baselines import make_policy
+from pearl.sim.family import workload
+from pearl.sim.runner import simulate
+from pearl.sim.sweep import Point, with_point
+
+ROOT = Path(__file__).resolve().parents[1]
+SCENARIOS = ("qwen3-8b", "qwen3-30b-a3b")
+VARIANTS: dict[str, Point] = {
+    "shipped": (),
+    "outputs-32": workload(output_tokens_per_turn=32.0),
+    "outputs-1024": workload(output_tokens_per_turn=1024.0),
+    "tools-0.01s": workload(env_latency_s=0.01),
+    "tools-30s": workload(env_latency_s=30.0),
+}
+MODES = ("colocated", "disaggregated", "any")
+
+
+def run_one(name: str, variant: str, mode: str, seed: int, duration_s: float) -> dict[str, Any]:
+    path = ROOT / "benchmarks" / "scenarios" / f"{name}.yaml"
+    base, _ = load_scenario_and_profile(path)
+    point = (*VARIANTS[variant], ("policy.selection.modes", mode))
+    doc = with_point(base.model_dump(mode="json"), point)
+    scenario, profile = scenario_of_document(doc, path)
+    scenario = scenario.model_copy(update={"duration_s": duration_s})
+    policy = make_policy("pearl", scenario.policy, scenario.cluster.trainer.nodes)
+    decisions: list[str] = []
+
+    def sink(record: Any) -> None:
+        if getattr(record, "type", None) == "decision":
+            decisions.append(str(record.pd_mode))
+
+    metrics = simulate(run_inputs(scenario, profile, seed), policy, sink)
+    ratios = [p / a for p, a in metrics.predictions if a > 0]
+    return {
+        "scenario": name,
+        "variant": variant,
+        "mode": mode,
+        "seed": seed,
+        "traj_per_h": metrics.trajectories / (duration_s / 3600),
+        "median_predicted_over_actual": float(np.median(ratios)) if ratios else None,
+        "decisions": len(decisions),
+        "disaggregated_share": (
+            sum(d == "disaggregated" for d in decisions) / len(decisions) if decisions else None
+        ),
+    }
+
+
+def summary(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for name in SCENARIOS:
+        for variant in VARIANTS:
+            by_mode: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
+            for r in runs:
+                if r["scenario"] == name and r["variant"] == variant:
+                    by_mode[r["mode"]].append(r)
+
+            def mean(mode: str, key: str, by: dict[str, list[dict[str, Any]]] = by_mode) -> Any:
+                values = [r[key] for r in by[mode] if r[key] is not None]
+                return float(np.mean(values)) if values else None
+
+            col, dis = mean("colocated", "traj_per_h"), mean("disaggregated", "traj_per_h")
+            out.append(
+                {
+                    "scenario": name,
+                    "variant": variant,
+                    "traj_per_h": {m: mean(m, "traj_per_h") for m in MODES},
+                    "simulator_faster": "colocated" if col >= dis else "disaggregated",
+                    "disaggregated_over_colocated": dis / col if col else None,
+                    "median_predicted_over_actual": {
+                        m: mean(m, "median_predicted_over_actual") for m in MODES
+                    },
+                    "free_run_disaggregated_share": mean("any", "disaggregated_share"),
+                }
+            )
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--duration-s", type=float, default=900.0)
+    ap.add_argument("--seeds", type=int, default=1)
+    ap.add_argument("--jobs", type=int, default=2)
+    args = ap.parse_args()
+    tasks = [
+        (name, variant, mode, seed, args.duration_s)
+        for name in SCENARIOS
+        for variant in VARIANTS
+        for mode in MODES
+        for seed in range(args.seeds)
+    ]
+    with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+        runs = list(pool.map(run_one, *zip(*tasks, strict=True)))
+    print(json.dumps({"runs": runs, "summary": summary(runs)}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
