@@ -40,7 +40,7 @@ from pearl.core.profile import EngineProfile
 from pearl.core.roles import Role
 from pearl.engines.client import EngineClient, EngineError, EngineUnreachable
 from pearl.router.instances import InFlight, Instance, InstanceTable
-from pearl.serving.routing import candidates, least_loaded, route_decode, route_turn
+from pearl.serving.routing import candidates, full, least_loaded, route_decode, route_turn
 
 PREFILL_PARAMS: dict[str, Any] = {
     "do_remote_decode": True,
@@ -186,9 +186,11 @@ class Router:
                 lambda w: self.table.get(w).queue(engine),
             )
             return self.table.get(wid) if wid is not None else None
-        if home is not None and home.load < self.max_seqs_per_instance:
+        if home is not None and home.load < self.max_seqs_per_instance and not full(home):
             return home
         best = least_loaded(entries)
+        if best is not None and full(best):  # the least loaded is full: none has room
+            return home if home is not None and not full(home) else None
         return self.table.get(best.worker_id) if best is not None else None
 
     async def _entry(self, traj_id: str, prompt_tokens: int, skip: set[str]) -> Instance:

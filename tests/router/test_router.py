@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -29,6 +30,7 @@ from router_turns import (
 
 from pearl.core.roles import Role
 from pearl.engines.client import EngineClient
+from pearl.io.documents import load_profile
 from pearl.router.router import Router, Sampling, Turn
 
 
@@ -184,3 +186,38 @@ def test_an_openai_sdk_agent_runs_through_the_front(
         assert len(turn["logprobs"]) == len(turn["token_ids"]) == len(turn["versions"])
     # the second turn's prompt starts with the first turn's: one session, one home
     assert record["turns"][0]["served_by"] == record["turns"][1]["served_by"]
+
+
+def test_turns_beyond_an_engines_slots_wait_at_the_router(engines: list[EngineProc]) -> None:
+    """An engine that runs one sequence at once (its profile's max_num_seqs): three
+    trajectories at a time through it never have more than one request there; the others
+    wait parked at the router and go as each comes back, every turn as a direct run."""
+    one_slot = load_profile("qwen3-8b").engine("h100", 1)
+    assert one_slot is not None
+    r = Router()
+    inst = r.table.add(
+        "e0", engines[0].url, Role.COLOCATED, one_slot.model_copy(update={"max_num_seqs": 1})
+    )
+    r.table.ready("e0")
+    most = [0]
+    sent = inst.sent
+
+    def counted(req: Any) -> None:
+        sent(req)
+        most[0] = max(most[0], inst.load)
+
+    inst.sent = counted  # type: ignore[method-assign]
+
+    async def run() -> list[Turns]:
+        try:
+            return await asyncio.gather(
+                *(trajectory(r, f"s{i}", [5 + i, 6, 7], 2) for i in range(3))
+            )
+        finally:
+            await r.aclose()
+
+    trajs = asyncio.run(run())
+    assert most[0] == 1
+    for turns in trajs:
+        assert len(turns) == 2 and all(len(out) == GREEDY.max_tokens for _, out, _ in turns)
+        check_greedy(engines[0].url, turns)
