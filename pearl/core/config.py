@@ -58,8 +58,15 @@ class BorrowingConfig(Frozen):
     max_return_delay_s: PositiveSeconds = Field(
         30.0, description="Longest the trainer may wait for its lent GPUs once it needs them."
     )
+    # 1 s: the trainer's GPUs are idle while it waits for its batch, so lending costs it
+    # nothing but the return, which ends as the batch completes; the offload and wake are in
+    # the prediction and the return's cost to the batch is taken off the gain
+    # (policies/borrowing.py). The old 5 s, on top of the whole return, declined lends that
+    # shortened a throughput-bound batch by a tenth (6-7 s of 55-60 s), which RLBoost's
+    # always-lend controller took.
     min_gain_s: Seconds = Field(
-        5.0, description="Lend only if the predicted batch time saved beats the overhead by this."
+        1.0,
+        description="Lend only if the predicted batch time saved, net of the return, beats this.",
     )
     return_margin_s: Seconds = Field(
         5.0, description="Start returning this long before the return must be complete."

@@ -20,6 +20,7 @@ from pearl.core.observation import (
 )
 from pearl.core.pd import config_of
 from pearl.core.plan import Action
+from pearl.core.policies.borrowing import _net_gain_s
 from pearl.core.profile import RuntimeProfile
 from pearl.core.registry import UnknownName
 from pearl.core.state import AllocationStatus
@@ -330,3 +331,15 @@ def test_no_switch_is_said_over_a_plan_of_no_steps(profile: RuntimeProfile) -> N
     again = decide(state, _obs(), cfg, profile, 20.0)
     assert again.plan.empty and not again.switch.switch
     assert again.switch.reason.startswith("nothing to change")
+
+
+def test_lending_nets_the_return_by_the_share_of_the_batch_the_lent_gpus_do() -> None:
+    """The return ends as the batch completes: the lent GPUs stop serving that long before,
+    which costs the batch their share of that time (gain / batch time), not all of it. A
+    throughput-bound batch of 55 s that lending shortens by 6 s, with a 6.7 s return: the
+    old rule (gain - return > 5 s) declined it, RLBoost's controller took it."""
+    net_s = _net_gain_s(6.0, 6.7, 55.0)
+    assert net_s == pytest.approx(6.0 * (1 - 6.7 / 55.0))
+    assert net_s > PolicyConfig().borrowing.min_gain_s
+    assert _net_gain_s(6.0, 80.0, 55.0) == 0.0  # a return longer than the batch: no gain
+    assert _net_gain_s(-1.0, 6.7, 55.0) == -1.0  # a loss stays a loss

@@ -2,8 +2,10 @@
 
 ``predictive`` (the default):
 - lend while the trainer waits for the next batch, when the batch time saved by the
-  extra GPUs (transition estimate plus predicted completion, with and without them)
-  beats the return overhead (drain, sleep, onload) by ``min_gain_s``; the window's
+  extra GPUs (transition estimate plus predicted completion, with and without them), net
+  of the return (drain, sleep, onload: the lent GPUs stop serving that long before the
+  batch completes, which costs the batch their share of that time), beats
+  ``min_gain_s``; the window's
   ``return_by_s`` is when rollout must have vacated the GPUs so that the trainer's onload
   ends as the batch is predicted to complete;
 - return on schedule, starting early enough for drain, sleep and the margin; the
@@ -82,7 +84,7 @@ def predictive_rule(ctx: DecisionContext) -> BorrowAction:
     return_s = ctx.drain_estimate_s + costs.sleep_s + costs.trainer_onload_s
     most_s = without.effective_s - selection.min_critical_path_s
     if _same_kind(pool, [ctx.state.gpu_by_id[g] for g in trainer_gpus]) and (
-        most_s - return_s <= cfg.min_gain_s
+        _net_gain_s(most_s, return_s, without.effective_s) <= cfg.min_gain_s
     ):
         return BorrowAction(
             BorrowKind.NONE,
@@ -93,7 +95,7 @@ def predictive_rule(ctx: DecisionContext) -> BorrowAction:
     # offload and the wake); the return comes on top.
     gain_s = without.effective_s - with_lent.effective_s
     overhead_s = with_lent.transition_s + return_s
-    if gain_s - return_s <= cfg.min_gain_s:
+    if _net_gain_s(gain_s, return_s, without.effective_s) <= cfg.min_gain_s:
         return BorrowAction(
             BorrowKind.NONE,
             gain_s=gain_s,
@@ -109,6 +111,17 @@ def predictive_rule(ctx: DecisionContext) -> BorrowAction:
         overhead_s,
         reason=f"lending saves {gain_s:.1f} s for {overhead_s:.1f} s overhead",
     )
+
+
+def _net_gain_s(gain_s: float, return_s: float, without_s: float) -> float:
+    """The batch time lending saves, less what the return costs it. The return is planned
+    to end as the batch completes, so the lent GPUs stop serving ``return_s`` early: the
+    batch loses their share of the work over that time (``gain_s / without_s``: the share
+    by which they shorten it), not the whole of it; the trainer, idle until the batch is
+    complete, loses nothing."""
+    if gain_s <= 0.0 or not math.isfinite(without_s) or without_s <= 0.0:
+        return gain_s
+    return gain_s * (1.0 - min(return_s / without_s, 1.0))
 
 
 def _return_by_s(ctx: DecisionContext, lent_return_by_s: float) -> float:
