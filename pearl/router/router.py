@@ -40,7 +40,8 @@ from pearl.core.profile import EngineProfile
 from pearl.core.roles import Role
 from pearl.engines.client import EngineClient, EngineError, EngineUnreachable
 from pearl.router.instances import InFlight, Instance, InstanceTable
-from pearl.serving.routing import candidates, full, least_loaded, route_decode, route_turn
+from pearl.serving.routing import candidates, least_loaded, route_decode, route_turn
+from pearl.serving.views import full
 
 PREFILL_PARAMS: dict[str, Any] = {
     "do_remote_decode": True,

@@ -23,10 +23,11 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterable
 
-from pearl.serving.views import InstanceLoad
+from pearl.serving.views import InstanceLoad, load_rank
 
-# (load, worker_id, stamp, view): the key is (load, worker_id); the stamp tells whether
-# the key is still the member's (it was the last pushed for it)
+# (rank, worker_id, stamp, view): the key is (rank, worker_id), the rank the load after every
+# instance with room if full (``views.load_rank``); the stamp tells whether the key is still
+# the member's (it was the last pushed for it)
 _Key = tuple[int, str, int, InstanceLoad]
 
 
@@ -35,7 +36,7 @@ class LoadIndex:
 
     def __init__(self, members: Iterable[InstanceLoad]) -> None:
         self._views: dict[str, InstanceLoad] = {}
-        self._keys: dict[str, tuple[int, int]] = {}  # worker id -> (load, stamp) pushed
+        self._keys: dict[str, tuple[int, int]] = {}  # worker id -> (rank, stamp) pushed
         self._stamp = 0
         self._heap: list[_Key] = []
         for view in members:
@@ -51,8 +52,8 @@ class LoadIndex:
     def _rebuild(self) -> None:
         self._stamp += 1
         stamp = self._stamp
-        self._keys = {wid: (view.load, stamp) for wid, view in self._views.items()}
-        self._heap = [(load, wid, stamp, self._views[wid]) for wid, (load, _) in self._keys.items()]
+        self._keys = {wid: (load_rank(view), stamp) for wid, view in self._views.items()}
+        self._heap = [(rank, wid, stamp, self._views[wid]) for wid, (rank, _) in self._keys.items()]
         heapq.heapify(self._heap)
 
     def changed(self, view: InstanceLoad) -> None:
@@ -61,17 +62,18 @@ class LoadIndex:
         key = self._keys.get(wid)
         if key is None or self._views[wid] is not view:
             return
-        load = view.load
-        if load == key[0]:
+        rank = load_rank(view)
+        if rank == key[0]:
             return
         self._stamp += 1
-        self._keys[wid] = (load, self._stamp)
-        heapq.heappush(self._heap, (load, wid, self._stamp, view))
+        self._keys[wid] = (rank, self._stamp)
+        heapq.heappush(self._heap, (rank, wid, self._stamp, view))
         if len(self._heap) > 4 * len(self._keys) + 16:
             self._rebuild()
 
     def least(self) -> InstanceLoad | None:
-        """The fewest requests, ties to the smallest worker id; None for no member."""
+        """``routing.least_loaded`` of the members: the fewest requests among those with
+        room, ties to the smallest worker id; None for no member."""
         heap, keys = self._heap, self._keys
         while heap:
             _, wid, stamp, view = heap[0]

@@ -15,10 +15,13 @@ ties go to the smallest worker id, so a route is deterministic. The rules scan t
 candidates for it unless given a ``LoadOrder`` that keeps it as loads change (the
 simulator's fleet does: ``pearl.serving.load_index``).
 
-**Full instances** (``full``): an instance holding as many requests as it runs at once
-(its ``slots``, vLLM's ``max_num_seqs``) takes no more turns: one more would only queue
-there. A turn whose home and least-loaded entry are both full is parked (None), and routed
-again when a request leaves an instance or one joins. Without it, every turn parked while
+**Full instances** (``full``): an instance holding as many requests as it can run at
+once (its ``slots``: vLLM's ``max_num_seqs``, or fewer where its KV cache holds fewer of
+the workload's contexts) takes no more turns: one more would only queue there, or evict
+the prefixes its other trajectories come back to. The least-loaded rule ranks instances
+with room first. A turn whose home and least-loaded entry are both full is parked (None),
+and routed again when a request leaves an instance or one joins. Without it, every turn
+parked while
 no instance served went to the first instances that joined, a queue of hundreds each that
 instances joining seconds later never shared (turns return to their home): on a
 throughput-bound Qwen3-8B variant (2,048 trajectories a batch on 16 H20 GPUs, the
@@ -79,13 +82,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
-from operator import attrgetter
 from typing import Protocol
 
-from pearl.core.profile import EngineProfile
+from pearl.core.profile import EngineProfile, WorkloadDefaults
 from pearl.core.roles import Role
 from pearl.serving.costs import fastest_prompt_s, fastest_token_s, prompt_ready_s, turn_s
-from pearl.serving.views import InstanceLoad, InstanceQueue
+from pearl.serving.views import InstanceLoad, InstanceQueue, full, load_rank
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,18 +132,32 @@ _ENTRY = frozenset({Role.COLOCATED})
 _ENTRY_WITH_DECODE = frozenset({Role.COLOCATED, Role.PREFILL})
 
 
-def full(view: InstanceLoad) -> bool:
-    """It holds as many requests as it runs at once: one more would only queue there."""
-    slots = view.slots
-    return slots is not None and view.load >= slots
+def kv_slots(max_num_seqs: int, kv_capacity_tokens: int, context_tokens: float) -> int:
+    """The requests an instance can run at once (``InstanceLoad.slots``): its
+    ``max_num_seqs``, or the contexts of ``context_tokens`` its KV cache holds if fewer (at
+    least one). An instance whose KV holds few contexts (a large model on one GPU) evicts
+    the prefixes of the trajectories in their tool calls to run more, and they come back
+    to recompute them."""
+    fit = int(kv_capacity_tokens // max(context_tokens, 1.0))
+    return max(1, min(max_num_seqs, fit))
+
+
+def mean_context_tokens(defaults: WorkloadDefaults) -> float:
+    """A live trajectory's context, averaged over its turns: the prompt, half the turns'
+    observations and outputs before it, half the turn's own output."""
+    before = (defaults.turns_per_trajectory - 1.0) / 2.0
+    per_turn = defaults.observation_tokens_per_turn + defaults.output_tokens_per_turn
+    return defaults.prompt_tokens + before * per_turn + defaults.output_tokens_per_turn / 2.0
 
 
 def least_loaded(loads: Iterable[InstanceLoad]) -> InstanceLoad | None:
-    """The fewest requests, ties to the smallest worker id; None for no instance."""
-    return min(loads, key=_LOAD_KEY, default=None)
+    """The fewest requests among the instances with room (``full``), or among them all
+    when none has; ties to the smallest worker id; None for no instance."""
+    return min(loads, key=_load_key, default=None)
 
 
-_LOAD_KEY = attrgetter("load", "worker_id")
+def _load_key(view: InstanceLoad) -> tuple[int, str]:
+    return load_rank(view), view.worker_id
 
 
 def route_turn(

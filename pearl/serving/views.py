@@ -52,9 +52,25 @@ class InstanceLoad(Protocol):
 
     @property
     def slots(self) -> int | None:
-        """Requests it runs at once (vLLM's ``max_num_seqs``); None: not known (never
-        full, ``routing.full``)."""
+        """Requests it can run at once: vLLM's ``max_num_seqs``, or fewer where its KV
+        cache holds fewer contexts of the workload's size; None: not known (never full)."""
         ...
+
+
+def full(view: InstanceLoad) -> bool:
+    """It holds as many requests as it can run at once: one more would only queue there."""
+    slots = view.slots
+    return slots is not None and view.load >= slots
+
+
+FULL_RANK = 1 << 40  # above any load: a full instance ranks after every one with room
+
+
+def load_rank(view: InstanceLoad) -> int:
+    """The least-loaded rule's key: the load, after every instance with room if full."""
+    load = view.load
+    slots = view.slots
+    return load + FULL_RANK if slots is not None and load >= slots else load
 
 
 @dataclass(frozen=True, slots=True)

@@ -67,6 +67,7 @@ class Instance:
     tp: int
     engine: EngineModel
     weights_version: int
+    slots: int  # requests it can run at once (``InstanceLoad.slots``: routing.kv_slots)
     busy_until_s: float | None = None  # end of the step in flight
     step_started_s: float = 0.0
     result: EngineStepResult | None = None
@@ -74,11 +75,6 @@ class Instance:
     due: list[tuple[float, str]] = field(default_factory=list)  # (arrival time, request id)
     num_assigned: int = 0  # requests in flight to it (tool call or KV transfer)
     accepting: bool = True  # takes new requests (False once draining or removed)
-
-    @property
-    def slots(self) -> int:
-        """Requests it runs at once (``InstanceLoad.slots``: vLLM's ``max_num_seqs``)."""
-        return self.engine.engine.max_num_seqs
 
     @property
     def load(self) -> int:
@@ -102,8 +98,15 @@ class Home:
 class Fleet:
     """Instances by worker id, each trajectory's home, parked requests."""
 
-    def __init__(self, profile: RuntimeProfile) -> None:
+    def __init__(self, profile: RuntimeProfile, context_tokens: float | None = None) -> None:
         self.profile = profile
+        # a typical context, for each instance's slots (routing.kv_slots): the workload's
+        # (routing.mean_context_tokens), the profile's defaults unless given
+        self.context_tokens = (
+            context_tokens
+            if context_tokens is not None
+            else routing.mean_context_tokens(profile.workload)
+        )
         self.instances: dict[str, Instance] = {}
         self.affinity: dict[str, Home] = {}  # traj id -> instance of its last turn
         self.parked: list[Request] = []
@@ -121,7 +124,12 @@ class Fleet:
         self, worker_id: str, role: Role, gpu_type: str, node: str, tp: int, version: int
     ) -> Instance:
         engine = EngineModel.from_profile(role, self.profile, gpu_type, tp)
-        inst = Instance(worker_id, role, gpu_type, node, tp, engine, version)
+        slots = routing.kv_slots(
+            engine.engine.max_num_seqs,
+            self.profile.kv_capacity_tokens(gpu_type, tp),
+            self.context_tokens,
+        )
+        inst = Instance(worker_id, role, gpu_type, node, tp, engine, version, slots)
         engine.on_requests_changed = partial(self._load_changes.append, inst)
         self.instances[worker_id] = inst
         self._engines = self._candidates = self._loads = None

@@ -22,6 +22,7 @@ class Load:
     role: Role = Role.COLOCATED
     accepting: bool = True
     load: int = 0
+    slots: int | None = None
 
 
 @settings(max_examples=200, deadline=None)
@@ -30,7 +31,8 @@ class Load:
     st.lists(st.tuples(st.integers(0, 11), st.integers(-3, 3)), max_size=200),
 )
 def test_the_index_is_the_scan_after_every_change(n: int, changes: list[tuple[int, int]]) -> None:
-    views = [Load(f"w{i:02d}", load=i % 3) for i in range(n)]
+    # some with few slots (full ones rank after those with room), some with none known
+    views = [Load(f"w{i:02d}", load=i % 3, slots=(i % 4) + 1 if i % 3 else None) for i in range(n)]
     index = LoadIndex(views)
     assert index.least() is least_loaded(views)
     for which, delta in changes:

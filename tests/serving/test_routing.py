@@ -16,8 +16,15 @@ from pearl.core.profile import EngineProfile
 from pearl.core.roles import Role
 from pearl.io.documents import load_profile
 from pearl.serving.costs import attention_pairs, expected_wait_s, prompt_ready_s
-from pearl.serving.routing import candidates, full, least_loaded, route_decode, route_turn
-from pearl.serving.views import InstanceQueue
+from pearl.serving.routing import (
+    candidates,
+    kv_slots,
+    least_loaded,
+    mean_context_tokens,
+    route_decode,
+    route_turn,
+)
+from pearl.serving.views import InstanceQueue, full
 
 # The shipped workload's means (docs/simulator.md): prompt, observation per turn.
 PROMPT_TOKENS, OBSERVATION_TOKENS = 5330, 614
@@ -315,3 +322,24 @@ def test_the_search_shortcut_never_changes_the_route(
     entries = candidates(loads).entry_ids
     assert (full is None) == (not entries)
     assert full is None or full in entries
+
+
+def test_the_least_loaded_rule_ranks_instances_with_room_first() -> None:
+    """A small-KV instance full at 2 of its 2 slots ranks after one at 5 of its 8: the
+    count alone would send the next turn where it can only queue or evict."""
+    small, big = Load("a", load=2, slots=2), Load("b", load=5, slots=8)
+    assert least_loaded([small, big]) is big
+    assert least_loaded([small, Load("b", load=8, slots=8)]) is small  # none has room: fewest
+
+
+def test_an_instances_slots_are_its_seqs_or_the_contexts_its_kv_holds() -> None:
+    assert kv_slots(256, 10_000_000, 8_000.0) == 256  # max_num_seqs binds
+    assert kv_slots(256, 217_000, 8_000.0) == 27  # a 30B model on one H20: its KV binds
+    assert kv_slots(256, 1_000, 8_000.0) == 1  # at least one
+    defaults = load_profile("qwen3-8b").workload
+    expected = defaults.prompt_tokens + (defaults.turns_per_trajectory - 1) / 2 * (
+        defaults.observation_tokens_per_turn + defaults.output_tokens_per_turn
+    )
+    assert mean_context_tokens(defaults) == pytest.approx(
+        expected + defaults.output_tokens_per_turn / 2
+    )
