@@ -7,6 +7,8 @@
     plan     = incremental transition plan from the state to the target
     verdict  = switching rule: is the plan worth it (always, when the pool changed);
                no switch over a plan of no steps
+    (a lend kept while a plan would run past its return's start returns with the plan:
+    decided again with the return, as the next decision waits for the plan)
 
 Pure: the clock arrives as ``now_s``; nothing is read or written. Deciding twice on the
 same inputs returns equal decisions, and a state that already matches the best target
@@ -56,9 +58,49 @@ def decide_pearl(
     ctx = DecisionContext(
         _close_finished_borrow(observe(state, obs, now_s)), obs, cfg, profile, now_s
     )
+    observed = ctx.state
     elastic = lookup(ELASTIC_RULES, cfg.elastic.rule, "elastic.rule")(ctx)
     borrow = lookup(BORROW_RULES, cfg.borrowing.rule, "borrowing.rule")(ctx)
-    ctx.state = _with_borrow(ctx.state, borrow, now_s)
+    decision = _decide_with(ctx, observed, elastic, borrow)
+    returning = _return_with_the_plan(ctx, borrow, decision.plan)
+    if returning is not None:  # the plan would hold the next decision past the return
+        ctx.state = observed
+        decision = _decide_with(ctx, observed, elastic, returning)
+    return decision
+
+
+def _return_with_the_plan(
+    ctx: DecisionContext, borrow: BorrowAction, plan: TransitionPlan
+) -> BorrowAction | None:
+    """A kept lend whose return would have to start while this decision's plan still runs
+    returns with the plan: the next decision waits for the plan (one runs at a time), and
+    a return decided then left the trainer waiting for the rest of it (a grant's cold
+    starts, up to 40 s) on top of its own. None when the plan ends in time."""
+    window = ctx.state.borrow
+    if borrow.kind is not BorrowKind.KEEP or plan.empty or window is None:
+        return None
+    costs, margin_s = ctx.profile.costs, ctx.cfg.borrowing.return_margin_s
+    assert borrow.return_by_s is not None
+    start_at_s = borrow.return_by_s - ctx.drain_estimate_s - costs.sleep_s - margin_s
+    if ctx.now_s + plan.makespan_s <= start_at_s:
+        return None
+    return BorrowAction(
+        BorrowKind.RETURN,
+        borrow.gpu_ids,
+        borrow.return_by_s,
+        reason=f"with the plan: it runs to {ctx.now_s + plan.makespan_s:.1f} s, past the "
+        f"return's start at {start_at_s:.1f} s",
+    )
+
+
+def _decide_with(
+    ctx: DecisionContext,
+    observed: ClusterState,
+    elastic: ElasticAction,
+    borrow: BorrowAction,
+) -> Decision:
+    cfg, profile, now_s = ctx.cfg, ctx.profile, ctx.now_s
+    ctx.state = _with_borrow(observed, borrow, now_s)
     lent = frozenset(borrow.gpu_ids if borrow.kind in (BorrowKind.LEND, BorrowKind.KEEP) else ())
     pool = ctx.rollout_gpus(lent, elastic.releases)
     current_config = ctx.current_config

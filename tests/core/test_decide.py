@@ -6,6 +6,7 @@ import pytest
 from pearl.bench.synth import Layout, build_state, build_workload, settle
 from pearl.core.apply import apply_plan
 from pearl.core.config import BorrowingConfig, PolicyConfig, SwitchingConfig
+from pearl.core.context import DecisionContext
 from pearl.core.decide import decide
 from pearl.core.decision import BorrowKind, Decision
 from pearl.core.observation import (
@@ -343,3 +344,32 @@ def test_lending_nets_the_return_by_the_share_of_the_batch_the_lent_gpus_do() ->
     assert net_s > PolicyConfig().borrowing.min_gain_s
     assert _net_gain_s(6.0, 80.0, 55.0) == 0.0  # a return longer than the batch: no gain
     assert _net_gain_s(-1.0, 6.7, 55.0) == -1.0  # a loss stays a loss
+
+
+def test_a_lend_returns_with_a_plan_that_would_run_past_its_return(
+    profile: RuntimeProfile,
+) -> None:
+    """A grant's cold starts (38 s) while the trainer's GPUs are lent and their return is
+    due to start in 20 s: the next decision waits for that plan, so a return decided then
+    would leave the trainer waiting for the rest of it (the simulator's 30B run: 39.5 s,
+    past max_return_delay_s). The return goes with the plan instead."""
+    lend = decide(build_state(Layout(1, 1, 0)), _busy_obs(WAITING), PolicyConfig(), profile, 10.0)
+    lent = apply_plan(lend.state, lend.plan, 10.0)
+    # the margin that puts the return's start 20 s after the decision at 20 s
+    ctx = DecisionContext(lent, _busy_obs(WAITING), PolicyConfig(), profile, 20.0)
+    return_by_s = 20.0 + ctx.current_prediction.completion_s - profile.costs.trainer_onload_s
+    margin_s = return_by_s - ctx.drain_estimate_s - profile.costs.sleep_s - 40.0
+    cfg = PolicyConfig(borrowing=BorrowingConfig(return_margin_s=margin_s))
+    quiet = decide(lent, _busy_obs(WAITING), cfg, profile, 20.0)
+    assert quiet.borrow.kind is BorrowKind.KEEP, quiet.borrow.reason  # no plan to wait for
+    grant = AllocationGranted(
+        allocation_id="99",
+        end_by_s=5000.0,
+        nodes=(GrantedNode(node="x1", gpu_type="h100", num_gpus=8),),
+    )
+    d = decide(lent, _busy_obs(WAITING, events=(grant,)), cfg, profile, 20.0)
+    assert d.borrow.kind is BorrowKind.RETURN and "with the plan" in d.borrow.reason
+    assert d.state.borrow is not None and d.state.borrow.returning
+    actions = {(s.action.value, s.node) for s in d.plan.steps}
+    assert ("start", "x1") in actions  # the grant's engines start in the same plan
+    assert "onload" in {a for a, node in actions if node.startswith("train")}
