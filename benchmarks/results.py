@@ -26,6 +26,9 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 SCENARIOS = ("qwen3-8b", "qwen3-30b-a3b")
+# The paper's regime (issue 18): throughput-bound base rollout, large elastic and lendable
+# supply; each with pearl's expected lead over rlboost-plus there (1.27x, 1.36x for the MoE).
+PAPER_SCENARIOS = {"qwen3-8b-paper": 1.27, "qwen3-30b-a3b-paper": 1.36}
 PEARL = [sys.executable, "-m", "pearl.cli.main"]
 
 NOTES = ROOT / "benchmarks" / "results_notes.md"
@@ -41,7 +44,7 @@ def fmt(x: float | None, spec: str = ",.0f") -> str:
     return "n/a" if x is None else format(x, spec)
 
 
-def scenario_section(name: str) -> list[str]:
+def scenario_section(name: str, rlboost_lead: float = 1.27, in_order: bool = True) -> list[str]:
     path = f"benchmarks/scenarios/{name}.yaml"
     sim, wall_s = run_json(["simulate", path, "--json", "--out", f"runs/results/{name}"])
     pred, _ = run_json(["bench", "predictor", path, "--seeds", "3", "--json"])
@@ -107,8 +110,8 @@ def scenario_section(name: str) -> list[str]:
             f"{tp['pearl'] / tp['roll-fixed']:.3f}x",
         ),
         (
-            "pearl >= 1.27x rlboost-plus",
-            tp["pearl"] >= 1.27 * tp["rlboost-plus"],
+            f"pearl >= {rlboost_lead}x rlboost-plus",
+            tp["pearl"] >= rlboost_lead * tp["rlboost-plus"],
             f"{tp['pearl'] / tp['rlboost-plus']:.3f}x",
         ),
         (
@@ -132,7 +135,7 @@ def scenario_section(name: str) -> list[str]:
     ]
     lines += ["| expectation | holds | measured |", "|---|---|---|"]
     lines += [f"| {what} | {'yes' if ok else '**no**'} | {how} |" for what, ok, how in checks]
-    return [*lines, "", *in_order_section(name, tp)]
+    return [*lines, "", *(in_order_section(name, tp) if in_order else [])]
 
 
 def in_order_section(name: str, first_completed: dict[str, float]) -> list[str]:
@@ -278,6 +281,9 @@ def main() -> int:
     for name in SCENARIOS:
         print(f"running {name} ...", file=sys.stderr)
         sections += scenario_section(name)
+    for name, lead in PAPER_SCENARIOS.items():
+        print(f"running {name} ...", file=sys.stderr)
+        sections += scenario_section(name, lead, in_order=False)
     sections += ["## The scenario family", ""]
     for drawn in (False, True):
         print(f"running the {'drawn' if drawn else 'canonical'} family ...", file=sys.stderr)
