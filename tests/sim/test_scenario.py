@@ -13,11 +13,15 @@ import yaml
 
 from pearl.io.documents import InputError
 from pearl.io.scenarios import load_scenario, load_scenario_and_profile
+from pearl.serving.routing import mean_context_tokens
 from pearl.sim.scenario import Scenario
 
 REPO = Path(__file__).resolve().parents[2]
 SCENARIOS = REPO / "benchmarks" / "scenarios"
 SHIPPED = ("qwen3-8b.yaml", "qwen3-30b-a3b.yaml")
+# the paper's regime (issue 18): a throughput-bound base rollout and six times its GPUs
+# to borrow and to be granted, so not issue 3's "comparable number of elastic GPUs"
+PAPER = ("qwen3-8b-paper.yaml", "qwen3-30b-a3b-paper.yaml")
 
 
 def _profiles_rule() -> Callable[[str], list[int]]:
@@ -52,7 +56,25 @@ def test_shipped_scenario_loads(name: str) -> None:
     assert scenario.policy.elastic.gpu_type in profile.gpus
 
 
-@pytest.mark.parametrize("name", SHIPPED)
+@pytest.mark.parametrize("name", PAPER)
+def test_paper_scenario_is_throughput_bound_with_six_times_its_rollout_gpus_to_use(
+    name: str,
+) -> None:
+    scenario, profile = load_scenario_and_profile(SCENARIOS / name)
+    assert scenario.name == name.removesuffix(".yaml")
+    rollout = scenario.cluster.rollout
+    section = scenario.elastic.synthetic
+    assert section is not None and section.max_gpus is not None
+    supply = section.max_gpus + scenario.cluster.trainer.gpus
+    assert supply == 6 * rollout.gpus
+    # the trajectories the staleness bound admits outgrow the base rollout GPUs' KV
+    admitted = (scenario.rollout.staleness_versions + 1) * scenario.rollout.batch_trajectories
+    context = mean_context_tokens(profile.workload)
+    kv = rollout.gpus * profile.kv_capacity_tokens(rollout.gpu_type, 1)
+    assert admitted * context > kv
+
+
+@pytest.mark.parametrize("name", SHIPPED + PAPER)
 def test_shipped_scenario_sources_every_number(name: str) -> None:
     assert unsourced_lines((SCENARIOS / name).read_text()) == []
 
