@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from pearl.cli.flags import integer, positive_seconds
-from pearl.cli.sweep import policies_of, run_points, write_result
+from pearl.cli.sweep import policies_of, run_points, variant_of, write_result
 from pearl.core.limits import MAX_SEEDS, MAX_SWEEP_POINTS
 from pearl.core.profile import RuntimeProfile
 from pearl.io.documents import InputError, read_document
@@ -29,7 +29,7 @@ from pearl.io.scenarios import scenario_of_document
 from pearl.sim.baselines import REPORTED
 from pearl.sim.family import BaseScenario, Variant, canonical, drawn
 from pearl.sim.scenario import Scenario
-from pearl.sim.sweep import Point, SweepError, with_point, worst
+from pearl.sim.sweep import Point, worst
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -113,13 +113,8 @@ def validated(
     the field, the problem and the variant."""
     out: list[tuple[Point, Scenario, RuntimeProfile]] = []
     for variant, path, doc in family:
-        try:
-            scenario, profile = scenario_of_document(with_point(doc, variant.point), path)
-        except (SweepError, InputError) as err:
-            raise InputError(path, err.field, f"{err.problem} (variant {variant.name})") from None
-        scenario = scenario.model_copy(update={"name": variant.name})
-        if duration_s is not None:
-            scenario = scenario.model_copy(update={"duration_s": duration_s})
+        where = f"variant {variant.name}"
+        scenario, profile = variant_of(doc, path, variant.point, duration_s, where, variant.name)
         point: Point = (("variant", variant.name),)
         out.append((point, scenario, profile))
     return out

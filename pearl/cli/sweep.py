@@ -94,16 +94,31 @@ def variants(
         points = grid(axes)
     except SweepError as err:
         raise InputError("<command line>", f"--vary {err.field}", err.problem) from None
-    out = []
-    for point in points:
-        try:
-            scenario, profile = scenario_of_document(with_point(doc, point), path)
-        except (SweepError, InputError) as err:
-            raise InputError(path, err.field, f"{err.problem} (at {label(point)})") from None
-        if duration_s is not None:
-            scenario = scenario.model_copy(update={"duration_s": duration_s})
-        out.append((point, scenario, profile))
-    return out
+    return [
+        (point, *variant_of(doc, path, point, duration_s, f"at {label(point)}")) for point in points
+    ]
+
+
+def variant_of(
+    doc: dict[str, Any],
+    path: Path,
+    point: Point,
+    duration_s: float | None,
+    where: str,
+    name: str | None = None,
+) -> tuple[Scenario, RuntimeProfile]:
+    """The scenario document with the point's values set, validated, with the profile it
+    names (and ``name`` and ``duration_s`` when given); a bad one is one line naming the
+    scenario file, the field, the problem and ``where`` the point is."""
+    try:
+        scenario, profile = scenario_of_document(with_point(doc, point), path)
+    except (SweepError, InputError) as err:
+        raise InputError(path, err.field, f"{err.problem} ({where})") from None
+    if name is not None:
+        scenario = scenario.model_copy(update={"name": name})
+    if duration_s is not None:
+        scenario = scenario.model_copy(update={"duration_s": duration_s})
+    return scenario, profile
 
 
 def run(args: argparse.Namespace) -> int:
@@ -175,7 +190,7 @@ def write_result(result: dict[str, Any], out: Path, stem: str, as_json: bool) ->
     (out / f"{stem}.json").write_text(text + "\n", encoding="utf-8")
     table = markdown(result)
     (out / f"{stem}.md").write_text(table, encoding="utf-8")
-    plotted = _plot(result, out / f"{stem}.png")
+    plotted = _plot(result, out / f"{stem}.png", f"{stem}.png")
     if as_json:
         print(json.dumps(finite_json(result), allow_nan=False))
     else:
@@ -224,11 +239,11 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _plot(result: dict[str, Any], path: Path) -> bool:
+def _plot(result: dict[str, Any], path: Path, what: str) -> bool:
     try:
         require("matplotlib")
     except InputError as err:
-        sys.stderr.write(f"sweep.png left out: {err}\n")
+        sys.stderr.write(f"{what} left out: {err}\n")
         return False
     from pearl.analysis.sweep_plots import sweep_figure
 

@@ -57,7 +57,9 @@ class DecisionContext:
         """The same decision asked of the next batch and the one after it (the batch the
         next update admits: ``WorkloadSnapshot.lookahead``), or None when the workload has
         no such batch. GPUs that cannot shorten the next batch (it is nearly complete) may
-        still shorten the one after: the elastic rule asks both before it lets them go."""
+        still shorten the one after: the elastic rule asks both before it lets them go.
+        It is built on the state of its first use (the observed one: the elastic rule
+        asks it before the borrowing rule changes the state)."""
         ahead = self.obs.workload.lookahead()
         if ahead is None:
             return None

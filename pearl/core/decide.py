@@ -26,7 +26,7 @@ from pearl.core.decision import BorrowAction, BorrowKind, Decision, ElasticActio
 from pearl.core.observation import Observation, observe
 from pearl.core.plan import Target, TransitionPlan
 from pearl.core.planner import plan_transition
-from pearl.core.policies.borrowing import BORROW_RULES
+from pearl.core.policies.borrowing import BORROW_RULES, return_start_s
 from pearl.core.policies.elastic import ELASTIC_RULES
 from pearl.core.policies.switching import SWITCH_RULES, SwitchInput
 from pearl.core.pool import Pool
@@ -79,9 +79,8 @@ def _return_with_the_plan(
     window = ctx.state.borrow
     if borrow.kind is not BorrowKind.KEEP or plan.empty or window is None:
         return None
-    costs, margin_s = ctx.profile.costs, ctx.cfg.borrowing.return_margin_s
     assert borrow.return_by_s is not None
-    start_at_s = borrow.return_by_s - ctx.drain_estimate_s - costs.sleep_s - margin_s
+    start_at_s = return_start_s(ctx, borrow.return_by_s)
     if ctx.now_s + plan.makespan_s <= start_at_s:
         return None
     return BorrowAction(
@@ -99,8 +98,11 @@ def _decide_with(
     elastic: ElasticAction,
     borrow: BorrowAction,
 ) -> Decision:
+    """The decision from the observed state with these elastic and borrow actions. Called
+    twice when the lend returns with the plan: the context's selections are kept per GPU
+    budget, and the second call's budget (no lent GPUs) is another."""
     cfg, profile, now_s = ctx.cfg, ctx.profile, ctx.now_s
-    ctx.state = _with_borrow(observed, borrow, now_s)
+    ctx.state = _with_borrow(observed, borrow, now_s, cfg.borrowing.return_margin_s)
     lent = frozenset(borrow.gpu_ids if borrow.kind in (BorrowKind.LEND, BorrowKind.KEEP) else ())
     pool = ctx.rollout_gpus(lent, elastic.releases)
     current_config = ctx.current_config
@@ -161,7 +163,9 @@ def _close_finished_borrow(state: ClusterState) -> ClusterState:
     return state.replace(borrow=None)
 
 
-def _with_borrow(state: ClusterState, borrow: BorrowAction, now_s: float) -> ClusterState:
+def _with_borrow(
+    state: ClusterState, borrow: BorrowAction, now_s: float, margin_s: float
+) -> ClusterState:
     if borrow.kind is BorrowKind.LEND:
         assert borrow.return_by_s is not None
         window = BorrowWindow(
@@ -169,8 +173,11 @@ def _with_borrow(state: ClusterState, borrow: BorrowAction, now_s: float) -> Clu
         )
         return state.replace(borrow=window)
     if borrow.kind is BorrowKind.KEEP and state.borrow is not None:
+        # The schedule follows the prediction, but only a move of more than the return's
+        # margin is a new state: every tick's prediction differs by a little, and each new
+        # state is a journal write of the whole state for the coordinator.
         assert borrow.return_by_s is not None
-        if borrow.return_by_s != state.borrow.return_by_s:  # the schedule follows the prediction
+        if abs(borrow.return_by_s - state.borrow.return_by_s) > margin_s:
             return state.replace(
                 borrow=state.borrow.model_copy(update={"return_by_s": borrow.return_by_s})
             )

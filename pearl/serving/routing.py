@@ -17,17 +17,14 @@ simulator's fleet does: ``pearl.serving.load_index``).
 
 **Full instances** (``full``): an instance holding as many requests as it can run at
 once (its ``slots``: vLLM's ``max_num_seqs``, or fewer where its KV cache holds fewer of
-the workload's contexts) takes no more turns: one more would only queue there, or evict
-the prefixes its other trajectories come back to. The least-loaded rule ranks instances
-with room first. A turn whose home and least-loaded entry are both full is parked (None),
-and routed again when a request leaves an instance or one joins. Without it, every turn
-parked while
-no instance served went to the first instances that joined, a queue of hundreds each that
-instances joining seconds later never shared (turns return to their home): on a
-throughput-bound Qwen3-8B variant (2,048 trajectories a batch on 16 H20 GPUs, the
-trainer's 32 lent) the 4 instances that came up first held 150 running and 270 waiting on
-average while the 16 that came up 7-27 s later ran 4.5, and the first batch took 351 s
-where it took 189 s with the same GPUs up 40 s sooner.
+the workload's contexts, ``kv_slots``) takes no more turns: one more would only queue
+there, or evict the prefixes its other trajectories come back to. The least-loaded rule
+ranks instances with room first (``views.load_rank``). A turn whose home and least-loaded
+entry are both full is parked (None), and routed again once an entry has room. Without
+it, every turn parked while no instance served went to the first instances that joined,
+queues of hundreds each that instances joining seconds later never shared (turns return
+to their home), and an instance with KV for a few dozen contexts took as many
+trajectories as one with room for hundreds (``docs/simulator.md``, "Routing").
 
 **Prefill -> decode** (``route_decode``): a prefill instance's KV handoff goes to the
 least-loaded decode instance.

@@ -270,10 +270,17 @@ class Simulation:
         inst = ev.instance
         if self.fleet.instances.get(inst.worker_id) is not inst or inst.busy_until_s != now_s:
             return []  # the instance was removed mid-step
-        out = self._step_outcome(inst) + self._kick(inst, now_s)
-        if self.fleet.parked and not full(inst):  # a request left: room for a parked turn
-            out += self.unpark(now_s, until_parked_again=True)
-        return out
+        return self._step_outcome(inst) + self._kick(inst, now_s) + self._unpark_if_room(now_s)
+
+    def _unpark_if_room(self, now_s: float) -> Follow:
+        """Parked turns go once some entry instance has room again (a request left one: a
+        step ended, a request in flight to it turned out stale, an update aborted some)."""
+        if not self.fleet.parked:
+            return []
+        least = self.fleet.loads().least_loaded_entry()
+        if least is None or full(least):
+            return []
+        return self.unpark(now_s, until_parked_again=True)
 
     def _step_outcome(self, inst: Instance, until_s: float = math.inf) -> Follow:
         """The finished turns and prefill handoffs of the instance's step in flight, at
@@ -395,8 +402,8 @@ class Simulation:
         if inst is not None:
             self.fleet.arrive(inst)
         traj = self._live(req)
-        if traj is None:
-            return []
+        if traj is None:  # gone while on its way (an update took it back): its slot frees
+            return self._unpark_if_room(now_s) if inst is not None else []
         self.rollout.sent(traj)
         if inst is None or not self.fleet.accepts(inst):
             if req.kv_ready_tokens:  # its KV went to an instance that left: start over
@@ -422,8 +429,8 @@ class Simulation:
     def unpark(self, now_s: float, until_parked_again: bool = False) -> Follow:
         """The parked turns routed again, in the order they parked. ``until_parked_again``
         (a request left an instance, so there is room for a few): the first that parks
-        again keeps the rest parked, as the next ones would park too but for a returning
-        turn whose own home has room (it goes at the next request that leaves)."""
+        again keeps the rest parked, as every entry is full then (a turn parks only when
+        its home, if any, and the least-loaded entry are: the least loaded full, all are)."""
         parked, self.fleet.parked = self.fleet.parked, []
         out: Follow = []
         for i, req in enumerate(parked):
@@ -523,6 +530,7 @@ class Simulation:
         out: Follow = []
         for traj_id in outcome.restarted:
             out += self._submit(self.rollout.in_flight[traj_id], now_s)
+        out += self._unpark_if_room(now_s)  # the aborted requests' slots
         return out + self._batch_complete(self.rollout.completed(now_s), now_s)
 
     def trainer_gpus_changed(self, now_s: float, delta: int) -> Follow:

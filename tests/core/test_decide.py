@@ -120,6 +120,9 @@ def test_a_lent_window_is_kept_while_the_batch_runs_longer_than_predicted_at_the
     assert keep.state.borrow.return_by_s == pytest.approx(
         late_s + current_s - profile.costs.trainer_onload_s
     )
+    # a tick later, the same work: a move within the return's margin is no new state
+    again = decide(keep.state, _busy_obs(WAITING), cfg, profile, late_s + 2.0)
+    assert again.borrow.kind is BorrowKind.KEEP and again.state.borrow == keep.state.borrow
     # nothing left to generate: the return starts at once
     done = Observation(trainer=WAITING, workload=WorkloadSnapshot())
     back = decide(keep.state, done, cfg, profile, late_s + 1.0)
@@ -132,7 +135,9 @@ def test_forced_return_migrates_when_draining_is_too_slow(profile: RuntimeProfil
         borrowing=BorrowingConfig(max_return_delay_s=profile.costs.trainer_onload_s + 1)
     )
     state = build_state(Layout(1, 1, 0))
-    lend = decide(state, _busy_obs(WAITING), cfg, profile, 10.0)
+    # lent under the default delay (this one is too short to lend under at all)
+    lend = decide(state, _busy_obs(WAITING), PolicyConfig(), profile, 10.0)
+    assert decide(state, _busy_obs(WAITING), cfg, profile, 10.0).borrow.kind is BorrowKind.NONE
     lent = apply_plan(lend.state, lend.plan, 10.0)
     needs = TrainerStatus(phase=TrainerPhase.WAITING, needs_gpus=True)
     back = decide(lent, _busy_obs(needs), cfg, profile, 30.0)

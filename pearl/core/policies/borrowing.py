@@ -5,7 +5,11 @@
   extra GPUs (transition estimate plus predicted completion, with and without them), net
   of the return (drain, sleep, onload: the lent GPUs stop serving that long before the
   batch completes, which costs the batch their share of that time), beats
-  ``min_gain_s``; the window's
+  ``min_gain_s``, and when reaching the lent configuration and a forced return from it
+  (migrate, sleep, onload) take no longer than the trainer may wait
+  (``max_return_delay_s``: a lend that cold-starts engines on the trainer's GPUs runs a
+  plan the forced return would wait for); the
+  window's
   ``return_by_s`` is when rollout must have vacated the GPUs so that the trainer's onload
   ends as the batch is predicted to complete;
 - return on schedule, starting early enough for drain, sleep and the margin; the
@@ -57,7 +61,7 @@ def predictive_rule(ctx: DecisionContext) -> BorrowAction:
                 BorrowKind.RETURN, window.gpu_ids, window.return_by_s, reason="return under way"
             )
         return_by_s = _return_by_s(ctx, window.return_by_s)
-        start_at_s = return_by_s - ctx.drain_estimate_s - costs.sleep_s - cfg.return_margin_s
+        start_at_s = return_start_s(ctx, return_by_s)
         if now_s >= start_at_s:
             return BorrowAction(
                 BorrowKind.RETURN,
@@ -95,7 +99,20 @@ def predictive_rule(ctx: DecisionContext) -> BorrowAction:
     # offload and the wake); the return comes on top.
     gain_s = without.effective_s - with_lent.effective_s
     overhead_s = with_lent.transition_s + return_s
-    if _net_gain_s(gain_s, return_s, without.effective_s) <= cfg.min_gain_s:
+    forced_s = costs.migrate_s + costs.sleep_s + costs.trainer_onload_s
+    if with_lent.transition_s + forced_s > cfg.max_return_delay_s:
+        # One plan runs at a time: a batch complete while this one still runs (cold starts
+        # on the lent GPUs) waits for the rest of it before its forced return can begin.
+        return BorrowAction(
+            BorrowKind.NONE,
+            gain_s=gain_s,
+            overhead_s=overhead_s,
+            reason=f"lending takes {with_lent.transition_s:.1f} s to reach and "
+            f"{forced_s:.1f} s to take back at once: more than the trainer may wait "
+            f"({cfg.max_return_delay_s:.1f} s)",
+        )
+    # (not >: a NaN gain, no feasible prediction either way, lends nothing)
+    if not _net_gain_s(gain_s, return_s, without.effective_s) > cfg.min_gain_s:
         return BorrowAction(
             BorrowKind.NONE,
             gain_s=gain_s,
@@ -111,6 +128,13 @@ def predictive_rule(ctx: DecisionContext) -> BorrowAction:
         overhead_s,
         reason=f"lending saves {gain_s:.1f} s for {overhead_s:.1f} s overhead",
     )
+
+
+def return_start_s(ctx: DecisionContext, return_by_s: float) -> float:
+    """When a return must start for the lent GPUs to be vacated by ``return_by_s``: the
+    drain, the sleep and the margin before it."""
+    costs = ctx.profile.costs
+    return return_by_s - ctx.drain_estimate_s - costs.sleep_s - ctx.cfg.borrowing.return_margin_s
 
 
 def _net_gain_s(gain_s: float, return_s: float, without_s: float) -> float:
