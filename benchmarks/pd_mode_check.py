@@ -26,21 +26,22 @@ from typing import Any
 
 import numpy as np
 
+from pearl.cli.flags import integer, positive_seconds
+from pearl.core.limits import MAX_SEEDS
 from pearl.io.scenarios import load_scenario_and_profile, scenario_of_document
 from pearl.io.simulation import run_inputs
 from pearl.sim.baselines import make_policy
-from pearl.sim.family import workload
+from pearl.sim.family import OUTPUT_TOKENS, TOOL_LATENCIES_S, workload
 from pearl.sim.runner import simulate
 from pearl.sim.sweep import Point, with_point
 
 ROOT = Path(__file__).resolve().parents[1]
 SCENARIOS = ("qwen3-8b", "qwen3-30b-a3b")
+# the family's values of the two axes (pearl.sim.family)
 VARIANTS: dict[str, Point] = {
     "shipped": (),
-    "outputs-32": workload(output_tokens_per_turn=32.0),
-    "outputs-1024": workload(output_tokens_per_turn=1024.0),
-    "tools-0.01s": workload(env_latency_s=0.01),
-    "tools-30s": workload(env_latency_s=30.0),
+    **{f"outputs-{t:g}": workload(output_tokens_per_turn=t) for t in OUTPUT_TOKENS},
+    **{f"tools-{t:g}s": workload(env_latency_s=t) for t in TOOL_LATENCIES_S},
 }
 MODES = ("colocated", "disaggregated", "any")
 
@@ -107,9 +108,9 @@ def summary(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--duration-s", type=float, default=900.0)
-    ap.add_argument("--seeds", type=int, default=1)
-    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--duration-s", type=positive_seconds, default=900.0)
+    ap.add_argument("--seeds", type=integer(1, MAX_SEEDS), default=1)
+    ap.add_argument("--jobs", type=integer(1, 1024), default=2)
     args = ap.parse_args()
     tasks = [
         (name, variant, mode, seed, args.duration_s)
