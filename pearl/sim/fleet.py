@@ -52,7 +52,8 @@ from pearl.serving import routing
 from pearl.serving.load_index import CandidateLoads
 from pearl.serving.requests import PartialOutput, Request
 from pearl.serving.views import InstanceLoad, InstanceQueue
-from pearl.sim.engine import EngineModel, EngineStepResult, KvHandoff
+from pearl.sim.engine import EngineStepResult, KvHandoff
+from pearl.sim.engine_models import EngineModelName, InstanceEngine, make_engine
 
 MAX_STEPS_PER_CALL = 4096
 
@@ -64,7 +65,7 @@ class Instance:
     gpu_type: str
     node: str
     tp: int
-    engine: EngineModel
+    engine: InstanceEngine
     weights_version: int
     busy_until_s: float | None = None  # end of the step in flight
     step_started_s: float = 0.0
@@ -96,8 +97,9 @@ class Home:
 class Fleet:
     """Instances by worker id, each trajectory's home, parked requests."""
 
-    def __init__(self, profile: RuntimeProfile) -> None:
+    def __init__(self, profile: RuntimeProfile, engine_model: EngineModelName = "step") -> None:
         self.profile = profile
+        self.engine_model: EngineModelName = engine_model
         self.instances: dict[str, Instance] = {}
         self.affinity: dict[str, Home] = {}  # traj id -> instance of its last turn
         self.parked: list[Request] = []
@@ -114,7 +116,7 @@ class Fleet:
     def add(
         self, worker_id: str, role: Role, gpu_type: str, node: str, tp: int, version: int
     ) -> Instance:
-        engine = EngineModel.from_profile(role, self.profile, gpu_type, tp)
+        engine = make_engine(self.engine_model, role, self.profile, gpu_type, tp)
         inst = Instance(worker_id, role, gpu_type, node, tp, engine, version)
         engine.on_requests_changed = partial(self._load_changes.append, inst)
         self.instances[worker_id] = inst
