@@ -217,10 +217,12 @@ class FluidEngineModel:
         """Run up to the first request to finish (a prefill instance: the first prompt
         computed), to the first step end at or after ``max_duration_s``, to the last
         step whose KV growth fits, or ``max_steps`` steps; at least one step."""
-        if not self.has_work:
+        if not (self._decoding or self._prefilling or self._waiting):
             return IDLE_STEP
         self._queued = None
-        self._admit_waiting()
+        if self._waiting:
+            self._admit_waiting()
+        kv = self.kv
         budget = self.engine.max_batched_tokens
         duration_s = 0.0
         steps = generated = prefilled = 0
@@ -228,9 +230,12 @@ class FluidEngineModel:
         finished: tuple[Finished, ...] = ()
         handoffs: tuple[KvHandoff, ...] = ()
         while steps < max_steps:
-            if self._decoding and self._growth(1) > self._free_blocks():
-                self._preempt_for_one_step(preempted)
             batch = len(self._decoding)
+            # a step opens at most a block per sequence: the growth is counted only if short
+            free = kv.num_blocks - kv.num_held_blocks
+            if batch > free and self._growth(1) > free:
+                self._preempt_for_one_step(preempted)
+                batch = len(self._decoding)
             if self._prefilling and budget > batch:
                 step_s, new = self._prefill_step(budget - batch)
                 duration_s += step_s
@@ -245,8 +250,11 @@ class FluidEngineModel:
                 generated += batch * n
             else:
                 break  # nothing admitted (the waiting need room that nothing here frees)
-            finished = self._finish(duration_s)
-            if finished or handoffs or duration_s >= max_duration_s:
+            if self._heap and self._heap[0][0] <= self._dec:
+                finished = self._finish(duration_s)
+                if finished:
+                    break
+            if handoffs or duration_s >= max_duration_s:
                 break
         return EngineStepResult(
             duration_s,
@@ -305,12 +313,17 @@ class FluidEngineModel:
         heap = self._heap
         while heap[0][2].entry is not heap[0]:
             heapq.heappop(heap)  # a sequence that left
+        batch = len(self._decoding)
         n = min(heap[0][0] - self._dec, max_steps)
-        if n > 1 and bound_s < math.inf:
-            n = min(n, self._steps_to(bound_s))
-        if n > 1 and self._growth(n) > self._free_blocks():
+        duration_s = self._decode_s(batch, n)
+        if n > 1 and duration_s > bound_s:  # the bound comes first: its step end
+            n = self._steps_to(bound_s)
+            duration_s = self._decode_s(batch, n)
+        free = self._free_blocks()
+        at_most = batch * -(-n // BLOCK_TOKENS)  # blocks n steps may open
+        if n > 1 and at_most > free and self._growth(n) > free:
             n = self._steps_that_fit(n)
-        duration_s = self._decode_s(len(self._decoding), n)
+            duration_s = self._decode_s(batch, n)
         self._grow(n)
         return n, duration_s
 
