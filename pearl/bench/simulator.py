@@ -8,7 +8,10 @@ plus the transition). ``mape`` is the mean of ``|predicted - actual| / actual``.
 
 ``bench_sim``: one pearl run at the scale of ``gpus`` (a quarter training, half base
 rollout, a quarter elastic synthetic windows, the batch scaled with the GPUs) for
-``sim_hours``; it reports the wall time and the events processed per second.
+``sim_hours``, with the fluid engine model unless told (its throughput is the step
+model's within 2% on the shipped scenarios and on this one: ``benchmarks/fluid_check.py``,
+``docs/simulator.md``); it reports the wall and CPU time and the events processed per
+second.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import numpy as np
 from pearl.io.scenarios import load_scenario_and_profile
 from pearl.io.simulation import run_inputs
 from pearl.sim.baselines import make_policy
+from pearl.sim.engine_models import EngineModelName
 from pearl.sim.runner import simulate
 from pearl.sim.scenario import Scenario
 
@@ -52,7 +56,9 @@ def bench_predictor(
     }
 
 
-def scaled_scenario(base: Scenario, gpus: int, sim_hours: float) -> Scenario:
+def scaled_scenario(
+    base: Scenario, gpus: int, sim_hours: float, engine_model: EngineModelName = "fluid"
+) -> Scenario:
     nodes = max(4, gpus // 8)
     trainer, elastic = max(1, nodes // 4), max(1, nodes // 4)
     rollout = nodes - trainer - elastic
@@ -66,6 +72,7 @@ def scaled_scenario(base: Scenario, gpus: int, sim_hours: float) -> Scenario:
     data = base.model_dump()
     data.update(
         duration_s=sim_hours * 3600.0,
+        engine_model=engine_model,
         cluster=cluster.model_dump(),
         elastic={
             "source": "synthetic",
@@ -87,22 +94,29 @@ def scaled_scenario(base: Scenario, gpus: int, sim_hours: float) -> Scenario:
     return Scenario.model_validate(data)
 
 
-def bench_sim(gpus: int = 256, sim_hours: float = 24.0) -> dict[str, Any]:
+def bench_sim(
+    gpus: int = 256, sim_hours: float = 24.0, engine_model: EngineModelName = "fluid"
+) -> dict[str, Any]:
     base, profile = load_scenario_and_profile(SCALE_SCENARIO)
-    scenario = scaled_scenario(base, gpus, sim_hours)
+    scenario = scaled_scenario(base, gpus, sim_hours, engine_model)
     inputs = run_inputs(scenario, profile, seed=0)
     policy = make_policy("pearl", scenario.policy, scenario.cluster.trainer.nodes)
     start = time.perf_counter()
+    start_cpu_s = time.process_time()
     metrics = simulate(inputs, policy)
     wall_s = time.perf_counter() - start
+    cpu_s = time.process_time() - start_cpu_s
     return {
+        "engine_model": engine_model,
         "gpus": scenario.base_gpus + (scenario.elastic.synthetic.max_gpus or 0)
         if scenario.elastic.synthetic
         else scenario.base_gpus,
         "sim_hours": sim_hours,
         "wall_s": wall_s,
+        "cpu_s": cpu_s,
         "events_per_s": metrics.num_events / wall_s,
         "events": metrics.num_events,
         "trajectories": metrics.trajectories,
+        "throughput_traj_per_h": metrics.trajectories / metrics.hours,
         "projected_wall_s_for_24_sim_hours": wall_s * 24.0 / sim_hours,
     }

@@ -38,6 +38,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         default=24.0,
         help="simulated hours",
     )
+    sm.add_argument(
+        "--engine-model",
+        choices=("step", "fluid"),
+        default="fluid",
+        help="engine model (fluid: within 2%% of step's throughput, faster)",
+    )
     sm.add_argument("--json", action="store_true", help="print only the JSON object")
     sm.set_defaults(run=_run_sim)
     ct = which.add_parser("control", help="plan round trip over the MPI control plane")
@@ -111,7 +117,7 @@ def _run_predictor(args: argparse.Namespace) -> int:
 def _run_sim(args: argparse.Namespace) -> int:
     if args.gpus < 32 or args.sim_hours <= 0:
         raise InputError("<command line>", "--gpus/--sim-hours", "need --gpus >= 32, hours > 0")
-    return _print(bench_sim(args.gpus, args.sim_hours), args.json)
+    return _print(bench_sim(args.gpus, args.sim_hours, args.engine_model), args.json)
 
 
 def _run_control(args: argparse.Namespace) -> int:

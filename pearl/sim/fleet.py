@@ -53,7 +53,8 @@ from pearl.serving import routing
 from pearl.serving.load_index import CandidateLoads
 from pearl.serving.requests import PartialOutput, Request
 from pearl.serving.views import InstanceLoad, InstanceQueue
-from pearl.sim.engine import EngineModel, EngineStepResult, KvHandoff
+from pearl.sim.engine import EngineStepResult, KvHandoff
+from pearl.sim.engine_models import EngineModelName, InstanceEngine, make_engine
 
 MAX_STEPS_PER_CALL = 4096
 
@@ -65,7 +66,7 @@ class Instance:
     gpu_type: str
     node: str
     tp: int
-    engine: EngineModel
+    engine: InstanceEngine
     weights_version: int
     slots: int  # requests it can run at once (``InstanceLoad.slots``: routing.kv_slots)
     busy_until_s: float | None = None  # end of the step in flight
@@ -98,8 +99,14 @@ class Home:
 class Fleet:
     """Instances by worker id, each trajectory's home, parked requests."""
 
-    def __init__(self, profile: RuntimeProfile, context_tokens: float | None = None) -> None:
+    def __init__(
+        self,
+        profile: RuntimeProfile,
+        engine_model: EngineModelName = "step",
+        context_tokens: float | None = None,
+    ) -> None:
         self.profile = profile
+        self.engine_model: EngineModelName = engine_model
         # a typical context, for each instance's slots (routing.kv_slots): the workload's
         # (routing.mean_context_tokens), the profile's defaults unless given
         self.context_tokens = (
@@ -123,7 +130,7 @@ class Fleet:
     def add(
         self, worker_id: str, role: Role, gpu_type: str, node: str, tp: int, version: int
     ) -> Instance:
-        engine = EngineModel.from_profile(role, self.profile, gpu_type, tp)
+        engine = make_engine(self.engine_model, role, self.profile, gpu_type, tp)
         slots = routing.kv_slots(
             engine.engine.max_num_seqs,
             self.profile.kv_capacity_tokens(gpu_type, tp),

@@ -151,7 +151,9 @@ class Simulation:
         )
         self.elastic = ElasticAllocations(slurm, self.take_off_nodes, self.log)
         self.loop: EventLoop[SimEvent] = EventLoop()
-        self.fleet = Fleet(self.profile, mean_context_tokens(means(inputs.trajectory_model)))
+        self.fleet = Fleet(
+            self.profile, sc.engine_model, mean_context_tokens(means(inputs.trajectory_model))
+        )
         self.state: ClusterState = initial_state(sc)
         self.logged_state: ClusterState | None = None
         self.version = sc.rollout.initial_policy_version

@@ -272,6 +272,12 @@ class Scenario(Frozen):
     rollout: RolloutSection = Field(description="Rollout batch, staleness and workload.")
     training: TrainingSection = Field(TrainingSection(), description="Trainer settings.")
     policy: PolicyConfig = Field(PolicyConfig(), description="Configuration of pearl.")
+    engine_model: Literal["step", "fluid"] = Field(
+        "step",
+        description="How the inference instances are simulated: step (vLLM's scheduler step "
+        "by step, the reference) or fluid (to the next change of the batch in one call: "
+        "faster, throughput within 2% on the shipped scenarios; docs/simulator.md).",
+    )
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Scenario:

@@ -138,4 +138,8 @@ def test_bench_sim_reports_speed(capsys: pytest.CaptureFixture[str]) -> None:
     result = json.loads(captured.out)
     assert result["gpus"] == 32 and result["sim_hours"] == 0.02
     assert result["wall_s"] > 0 and result["events_per_s"] > 0
+    assert result["engine_model"] == "fluid" and result["cpu_s"] > 0
+    step = ["bench", "sim", "--gpus", "32", "--sim-hours", "0.02", "--engine-model", "step"]
+    assert main([*step, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["engine_model"] == "step"
     assert main(["bench", "sim", "--gpus", "8", "--json"]) == 2
