@@ -8,7 +8,9 @@
   ``min_gain_s``, and when reaching the lent configuration and a forced return from it
   (migrate, sleep, onload) take no longer than the trainer may wait
   (``max_return_delay_s``: a lend that cold-starts engines on the trainer's GPUs runs a
-  plan the forced return would wait for); the
+  plan a forced return would wait for, and the predictor errs by tens of percent), unless
+  no engine serves yet (a run's start: no batch can complete before the plan's engines
+  are up); the
   window's
   ``return_by_s`` is when rollout must have vacated the GPUs so that the trainer's onload
   ends as the batch is predicted to complete;
@@ -100,7 +102,7 @@ def predictive_rule(ctx: DecisionContext) -> BorrowAction:
     gain_s = without.effective_s - with_lent.effective_s
     overhead_s = with_lent.transition_s + return_s
     forced_s = costs.migrate_s + costs.sleep_s + costs.trainer_onload_s
-    if with_lent.transition_s + forced_s > cfg.max_return_delay_s:
+    if with_lent.transition_s + forced_s > cfg.max_return_delay_s and ctx.state.active_engines:
         # One plan runs at a time: a batch complete while this one still runs (cold starts
         # on the lent GPUs) waits for the rest of it before its forced return can begin.
         return BorrowAction(
@@ -109,7 +111,7 @@ def predictive_rule(ctx: DecisionContext) -> BorrowAction:
             overhead_s=overhead_s,
             reason=f"lending takes {with_lent.transition_s:.1f} s to reach and "
             f"{forced_s:.1f} s to take back at once: more than the trainer may wait "
-            f"({cfg.max_return_delay_s:.1f} s)",
+            f"({cfg.max_return_delay_s:.1f} s) if the batch completes meanwhile",
         )
     # (not >: a NaN gain, no feasible prediction either way, lends nothing)
     if not _net_gain_s(gain_s, return_s, without.effective_s) > cfg.min_gain_s:
