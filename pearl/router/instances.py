@@ -75,6 +75,12 @@ class Instance:
         """Requests it runs at once, from its engine profile (None without one)."""
         return self.engine.max_num_seqs if self.engine is not None else None
 
+    @property
+    def kv_slots(self) -> int | None:
+        """Not known to the router (vLLM reports its KV size as vllm:cache_config_info,
+        which the router does not read yet)."""
+        return None
+
     # -- bookkeeping -------------------------------------------------------------------
 
     def sent(self, req: InFlight) -> None:

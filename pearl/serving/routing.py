@@ -15,16 +15,19 @@ ties go to the smallest worker id, so a route is deterministic. The rules scan t
 candidates for it unless given a ``LoadOrder`` that keeps it as loads change (the
 simulator's fleet does: ``pearl.serving.load_index``).
 
-**Full instances** (``full``): an instance holding as many requests as it can run at
-once (its ``slots``: vLLM's ``max_num_seqs``, or fewer where its KV cache holds fewer of
-the workload's contexts, ``kv_slots``) takes no more turns: one more would only queue
-there, or evict the prefixes its other trajectories come back to. The least-loaded rule
-ranks instances with room first (``views.load_rank``). A turn whose home and least-loaded
-entry are both full is parked (None), and routed again once an entry has room. Without
-it, every turn parked while no instance served went to the first instances that joined,
-queues of hundreds each that instances joining seconds later never shared (turns return
-to their home), and an instance with KV for a few dozen contexts took as many
-trajectories as one with room for hundreds (``docs/simulator.md``, "Routing").
+**Full instances** (``full``): an instance holding as many requests as it runs at once
+(its ``slots``, vLLM's ``max_num_seqs``) takes no more turns: one more would only queue
+there. A turn whose home and least-loaded entry are both full is parked (None), and routed
+again once an entry has room. Without it, every turn parked while no instance served went
+to the first instances that joined, queues of hundreds each that instances joining
+seconds later never shared (turns return to their home).
+
+**Crowded instances**: one whose trajectories fill its KV cache (its ``kv_slots``: the
+workload's contexts it holds, ``kv_slots()``) ranks after every instance with room in the
+least-loaded rule (``views.load_rank``), but still takes turns: a turn more evicts a
+prefix one of its trajectories comes back to, which costs a recompute, not a stall.
+Counted alone, an instance with KV for a few dozen contexts (a 30B model on one H20) took
+as many trajectories as one with room for hundreds (``docs/simulator.md``, "Routing").
 
 **Prefill -> decode** (``route_decode``): a prefill instance's KV handoff goes to the
 least-loaded decode instance.
@@ -129,14 +132,10 @@ _ENTRY = frozenset({Role.COLOCATED})
 _ENTRY_WITH_DECODE = frozenset({Role.COLOCATED, Role.PREFILL})
 
 
-def kv_slots(max_num_seqs: int, kv_capacity_tokens: int, context_tokens: float) -> int:
-    """The requests an instance can run at once (``InstanceLoad.slots``): its
-    ``max_num_seqs``, or the contexts of ``context_tokens`` its KV cache holds if fewer (at
-    least one). An instance whose KV holds few contexts (a large model on one GPU) evicts
-    the prefixes of the trajectories in their tool calls to run more, and they come back
-    to recompute them."""
-    fit = int(kv_capacity_tokens // max(context_tokens, 1.0))
-    return max(1, min(max_num_seqs, fit))
+def kv_slots(kv_capacity_tokens: int, context_tokens: float) -> int:
+    """The contexts of ``context_tokens`` an instance's KV cache holds
+    (``InstanceLoad.kv_slots``; at least one)."""
+    return max(1, int(kv_capacity_tokens // max(context_tokens, 1.0)))
 
 
 def mean_context_tokens(defaults: WorkloadDefaults) -> float:
@@ -148,8 +147,9 @@ def mean_context_tokens(defaults: WorkloadDefaults) -> float:
 
 
 def least_loaded(loads: Iterable[InstanceLoad]) -> InstanceLoad | None:
-    """The fewest requests among the instances with room (``full``), or among them all
-    when none has; ties to the smallest worker id; None for no instance."""
+    """The fewest requests among the instances with room in their KV cache, then among
+    the crowded ones, then among the full ones (``views.load_rank``); ties to the smallest
+    worker id; None for no instance."""
     return min(loads, key=_load_key, default=None)
 
 

@@ -52,25 +52,37 @@ class InstanceLoad(Protocol):
 
     @property
     def slots(self) -> int | None:
-        """Requests it can run at once: vLLM's ``max_num_seqs``, or fewer where its KV
-        cache holds fewer contexts of the workload's size; None: not known (never full)."""
+        """Requests it runs at once (vLLM's ``max_num_seqs``); None: not known (never
+        full)."""
+        ...
+
+    @property
+    def kv_slots(self) -> int | None:
+        """Contexts of the workload's size its KV cache holds (``routing.kv_slots``);
+        None: not known."""
         ...
 
 
 def full(view: InstanceLoad) -> bool:
-    """It holds as many requests as it can run at once: one more would only queue there."""
+    """It holds as many requests as it runs at once: one more would only queue there."""
     slots = view.slots
     return slots is not None and view.load >= slots
 
 
-FULL_RANK = 1 << 40  # above any load: a full instance ranks after every one with room
+CROWDED_RANK = 1 << 40  # above any load: ranks after every instance with room
+FULL_RANK = 1 << 41  # and after every crowded one
 
 
 def load_rank(view: InstanceLoad) -> int:
-    """The least-loaded rule's key: the load, after every instance with room if full."""
+    """The least-loaded rule's key: the load, after every instance with room in its KV
+    cache if its trajectories fill it (*crowded*: a turn more evicts a prefix one of them
+    comes back to), and after every crowded one if full."""
     load = view.load
     slots = view.slots
-    return load + FULL_RANK if slots is not None and load >= slots else load
+    if slots is not None and load >= slots:
+        return load + FULL_RANK
+    kv_slots = view.kv_slots
+    return load + CROWDED_RANK if kv_slots is not None and load >= kv_slots else load
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,8 +17,7 @@ instance (colocated, or prefill when decode instances exist to take the KV), rec
 the prefix there. A prefill
 instance's handoff goes to the least-loaded decode instance after the KV transfer. With
 no entry instance with room (every one starting, switching, gone or full: holding as
-many requests as it runs at once) a turn is parked, and routed again when one joins or a
-request leaves one.
+many requests as it runs at once) a turn is parked, and routed again once one has room.
 
 The views are what a router knows: the home and the prefix the router left there (the
 prompt it last sent, and the output when the instance also decoded it; an instance that
@@ -68,7 +67,8 @@ class Instance:
     tp: int
     engine: InstanceEngine
     weights_version: int
-    slots: int  # requests it can run at once (``InstanceLoad.slots``: routing.kv_slots)
+    slots: int  # requests it runs at once (``InstanceLoad.slots``: its max_num_seqs)
+    kv_slots: int  # the workload's contexts its KV holds (``InstanceLoad.kv_slots``)
     busy_until_s: float | None = None  # end of the step in flight
     step_started_s: float = 0.0
     result: EngineStepResult | None = None
@@ -107,7 +107,7 @@ class Fleet:
     ) -> None:
         self.profile = profile
         self.engine_model: EngineModelName = engine_model
-        # a typical context, for each instance's slots (routing.kv_slots): the workload's
+        # a typical context, for each instance's kv_slots (routing.kv_slots): the workload's
         # (routing.mean_context_tokens), the profile's defaults unless given
         self.context_tokens = (
             context_tokens
@@ -131,12 +131,9 @@ class Fleet:
         self, worker_id: str, role: Role, gpu_type: str, node: str, tp: int, version: int
     ) -> Instance:
         engine = make_engine(self.engine_model, role, self.profile, gpu_type, tp)
-        slots = routing.kv_slots(
-            engine.engine.max_num_seqs,
-            self.profile.kv_capacity_tokens(gpu_type, tp),
-            self.context_tokens,
-        )
-        inst = Instance(worker_id, role, gpu_type, node, tp, engine, version, slots)
+        kv = routing.kv_slots(self.profile.kv_capacity_tokens(gpu_type, tp), self.context_tokens)
+        slots = engine.engine.max_num_seqs
+        inst = Instance(worker_id, role, gpu_type, node, tp, engine, version, slots, kv)
         engine.on_requests_changed = partial(self._load_changes.append, inst)
         self.instances[worker_id] = inst
         self._engines = self._candidates = self._loads = None

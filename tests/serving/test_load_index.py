@@ -23,6 +23,7 @@ class Load:
     accepting: bool = True
     load: int = 0
     slots: int | None = None
+    kv_slots: int | None = None
 
 
 @settings(max_examples=200, deadline=None)
@@ -32,7 +33,10 @@ class Load:
 )
 def test_the_index_is_the_scan_after_every_change(n: int, changes: list[tuple[int, int]]) -> None:
     # some with few slots (full ones rank after those with room), some with none known
-    views = [Load(f"w{i:02d}", load=i % 3, slots=(i % 4) + 1 if i % 3 else None) for i in range(n)]
+    views = [
+        Load(f"w{i:02d}", load=i % 3, slots=(i % 4) + 2 if i % 3 else None, kv_slots=i % 3 + 1)
+        for i in range(n)
+    ]
     index = LoadIndex(views)
     assert index.least() is least_loaded(views)
     for which, delta in changes:

@@ -39,6 +39,7 @@ class Load:
     accepting: bool = True
     load: int = 0
     slots: int | None = None
+    kv_slots: int | None = None
 
 
 @cache
@@ -325,17 +326,20 @@ def test_the_search_shortcut_never_changes_the_route(
 
 
 def test_the_least_loaded_rule_ranks_instances_with_room_first() -> None:
-    """A small-KV instance full at 2 of its 2 slots ranks after one at 5 of its 8: the
-    count alone would send the next turn where it can only queue or evict."""
-    small, big = Load("a", load=2, slots=2), Load("b", load=5, slots=8)
+    """Room in the KV cache first, then crowded instances (their trajectories fill it: a
+    turn more evicts a prefix), then full ones: a one-H20 instance with KV for 2 contexts,
+    holding 2, ranks after a four-H800 one holding 5 of its 8."""
+    small, big = Load("a", load=2, kv_slots=2), Load("b", load=5, kv_slots=8)
     assert least_loaded([small, big]) is big
-    assert least_loaded([small, Load("b", load=8, slots=8)]) is small  # none has room: fewest
+    crowded = Load("b", load=8, kv_slots=8)
+    assert least_loaded([small, crowded]) is small  # both crowded: the fewest
+    assert least_loaded([Load("a", load=1, slots=1), crowded]) is crowded  # full after crowded
+    assert not full(crowded)  # crowded still takes turns: a recompute, not a stall
 
 
-def test_an_instances_slots_are_its_seqs_or_the_contexts_its_kv_holds() -> None:
-    assert kv_slots(256, 10_000_000, 8_000.0) == 256  # max_num_seqs binds
-    assert kv_slots(256, 217_000, 8_000.0) == 27  # a 30B model on one H20: its KV binds
-    assert kv_slots(256, 1_000, 8_000.0) == 1  # at least one
+def test_an_instances_kv_slots_are_the_contexts_its_kv_holds() -> None:
+    assert kv_slots(217_000, 8_000.0) == 27  # a 30B model on one H20
+    assert kv_slots(1_000, 8_000.0) == 1  # at least one
     defaults = load_profile("qwen3-8b").workload
     expected = defaults.prompt_tokens + (defaults.turns_per_trajectory - 1) / 2 * (
         defaults.observation_tokens_per_turn + defaults.output_tokens_per_turn
