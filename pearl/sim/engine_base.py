@@ -130,7 +130,8 @@ class EngineBase(ABC, Generic[S]):
 
     @property
     def has_work(self) -> bool:
-        return bool(self._waiting) or self.num_running > 0
+        """Whether any request is here (every one on the books runs or waits)."""
+        return bool(self._by_id)
 
     @property
     def num_waiting(self) -> int:
@@ -304,7 +305,7 @@ class EngineBase(ABC, Generic[S]):
         blocks, plus one when ``r < k``. Its ``cls`` is ``(t - _dec) % BLOCK_TOKENS``, so
         ``r < k`` for the classes ``-_dec - j`` (``j < k``): ``k`` classes in a row."""
         q, k = divmod(num_steps, BLOCK_TOKENS)
-        total = q * self.num_decoding if q else 0
+        total = q * (self.num_running - len(self._prefilling)) if q else 0
         if k:
             first = (-self._dec - k + 1) % BLOCK_TOKENS
             total += sum(self._hist[first : first + k])
