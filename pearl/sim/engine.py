@@ -40,14 +40,18 @@ and reports a ``KvHandoff`` of its ``context_tokens``.
 What a router reads of an instance (``pearl.serving.views``): ``num_requests`` (running and
 waiting), ``num_decoding`` and ``decoding_context_tokens`` (the batch decoding a token per
 step), ``queued_prefill()`` (the prompt tokens still to compute ahead of a new request, and
-their attention's token pairs).
+their attention's token pairs). These views, the requests' bookkeeping (``submit``,
+``abort``, ``drain``, ``abort_all``, ``resume``) and the lazily advanced decoding batch are
+``pearl.sim.engine_base.EngineBase``'s, shared with the fluid model; this module holds the
+step model's scheduling.
 
 ``step(max_steps=k)`` may run up to ``k`` decode steps at once when nothing can change
 the batch in between (every running sequence decoding, no admission possible, blocks for
 the growth available): the same outcome as ``k`` single steps, in one call whose cost does
 not grow with the batch (decoding sequences advance lazily, see ``EngineModel``).
 
-Invariants (asserted by ``tests/sim/test_engine.py``):
+Invariants (asserted by ``tests/sim/test_engine.py`` and, for both models,
+``tests/sim/test_engine_invariants.py``):
 - held and cached KV never exceed ``kv_capacity_tokens`` (rounded down to blocks);
 - every submitted request finishes (or hands off), is queued (after a preemption too),
   or is returned with its partial output by ``abort``, ``drain`` or ``abort_all``: none
@@ -59,18 +63,16 @@ Invariants (asserted by ``tests/sim/test_engine.py``):
 
 from __future__ import annotations
 
-import heapq
 import math
-from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from pearl.core.profile import EngineProfile, RuntimeProfile
-from pearl.core.roles import INFERENCE_ROLES, Role
-from pearl.serving.requests import PartialOutput, Request
-from pearl.sim.kv_cache import BLOCK_TOKENS, KvCache, blocks_for
+from pearl.core.roles import Role
+from pearl.serving.requests import Request
+from pearl.sim.engine_base import EngineBase, Seq
+from pearl.sim.kv_cache import BLOCK_TOKENS, blocks_for
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,24 +105,6 @@ class EngineStepResult:
 IDLE_STEP = EngineStepResult(0.0, 0, 0, 0, 0)
 
 
-@dataclass(slots=True, eq=False)
-class _Seq:
-    """A request on this instance. While it decodes (``decoding``), its counters are kept
-    lazily: the true ones are the stored ones plus ``EngineModel._dec - mark``, the decode
-    steps the whole decoding batch ran since the sequence last synced (``_true``)."""
-
-    request: Request
-    num_tokens: int  # prompt to compute: context plus tokens generated before a preemption
-    num_generated: int = 0
-    num_computed: int = 0  # tokens whose KV is held (its blocks: blocks_for(num_tokens))
-    kv_ready_tokens: int = field(default=0)
-    decoding: bool = False  # running with its prompt computed: counters are lazy
-    mark: int = 0  # EngineModel._dec when the stored counters were true
-    order: int = 0  # admission order (the running batch's order)
-    cls: int = 0  # (num_tokens - mark) % BLOCK_TOKENS while decoding
-    entry: tuple[int, int, _Seq] | None = None  # its live entry in the finish heap
-
-
 def kv_transfer_s(
     tokens: int, profile: RuntimeProfile, gpu_type: str, same_node: bool, tp: int = 1
 ) -> float:
@@ -131,172 +115,40 @@ def kv_transfer_s(
     return tokens * profile.model.kv_bytes_per_token / (tp * gb_per_s * 1e9)
 
 
-class EngineModel:
+class EngineModel(EngineBase[Seq]):
     """One engine instance: queue, running batch and KV cache; ``step()`` advances it.
 
     Bookkeeping for speed (results are those of the plain per-sequence rules): the
     running batch is an insertion-ordered dict (oldest first); sequences still
     prefilling are also kept apart, in the same order; decoding sequences advance lazily
-    through the decode-step counter ``_dec`` (``_Seq``), with their total context, a
-    histogram of their token counts modulo the block size (for the blocks ``k`` more
-    tokens need) and a heap of the ``_dec`` at which each finishes kept up to date.
+    through the decode-step counter ``_dec`` (``EngineBase``): here a decoding
+    sequence's ``num_tokens`` and ``num_computed`` advance with its ``num_generated``
+    (its context is ``num_tokens``), and ``_sync`` makes them all true at once.
     """
 
     def __init__(self, role: Role, engine: EngineProfile, kv_capacity_tokens: int) -> None:
-        if role not in INFERENCE_ROLES:
-            raise ValueError(f"role: {role} is not an inference role")
-        self.role = role
-        self.engine = engine
-        self.kv = KvCache(kv_capacity_tokens)
-        self._waiting: deque[_Seq] = deque()
-        self._running: dict[_Seq, None] = {}  # oldest first
-        self._prefilling: dict[_Seq, None] = {}  # running with a partly computed prompt
-        self._by_id: dict[str, _Seq] = {}
-        self.num_requests = 0  # running and waiting: len(self._by_id), read per route
-        # called after every change of num_requests (a router's index of loads)
-        self.on_requests_changed: Callable[[], None] | None = None
-        self._accepting = True
-        self._dec = 0  # decode steps run by the decoding sequences, lazily applied
-        self._ctx = 0  # true num_tokens summed over the decoding sequences
-        # decoding sequences per _Seq.cls, twice over (a rotation is a contiguous slice)
-        self._hist = [0] * (2 * BLOCK_TOKENS)
-        self._heap: list[tuple[int, int, _Seq]] = []  # (finish at _dec, order, seq)
-        self._order = 0
-        self._queued: tuple[int, int] | None = None  # queued_prefill() until a change
+        super().__init__(role, engine, kv_capacity_tokens)
+        self._running: dict[Seq, None] = {}  # oldest first
+        self._prefilling: dict[Seq, None] = {}  # running with a partly computed prompt
 
-    @classmethod
-    def from_profile(
-        cls, role: Role, profile: RuntimeProfile, gpu_type: str, tp: int
-    ) -> EngineModel:
-        engine = profile.engine(gpu_type, tp)
-        if engine is None:
-            raise ValueError(f"profile has no engine for {gpu_type} tp={tp}")
-        return cls(role, engine, profile.kv_capacity_tokens(gpu_type, tp))
-
-    # --- state -----------------------------------------------------------------------
-
-    @property
-    def has_work(self) -> bool:
-        return bool(self._running or self._waiting)
+    # --- the running batch (EngineBase's hooks) --------------------------------------
 
     @property
     def num_running(self) -> int:
         return len(self._running)
 
-    @property
-    def num_waiting(self) -> int:
-        return len(self._waiting)
+    def _new_seq(self, request: Request) -> Seq:
+        return Seq(request, request.context_tokens, request.kv_ready_tokens)
 
-    @property
-    def kv_used_tokens(self) -> int:
-        """Tokens' worth of blocks held or cached (block granularity)."""
-        return (self.kv.num_held_blocks + self.kv.num_cached_blocks) * BLOCK_TOKENS
+    def _is_running(self, seq: Seq) -> bool:
+        return seq in self._running
 
-    @property
-    def num_decoding(self) -> int:
-        """Running sequences whose prompt is computed (each decodes a token per step)."""
-        return len(self._running) - len(self._prefilling)
+    def _running_oldest_first(self) -> list[Seq]:
+        return list(self._running)
 
-    @property
-    def decoding_context_tokens(self) -> int:
-        """Tokens in KV of the decoding sequences, summed."""
-        return self._ctx
-
-    def queued_prefill(self) -> tuple[int, int]:
-        """The prefill work ahead of a request queued now: the prompt tokens still to
-        compute of the sequences prefilling and waiting (a waiting one less the prefix it
-        would reuse now, or the KV that arrived for it), and the token pairs their
-        attention computes (``(p + n)**2 - p**2`` for ``n`` new after ``p`` computed).
-        Kept until the next step, submit or abort (nothing else changes it)."""
-        if self._queued is not None:
-            return self._queued
-        tokens = 0
-        pairs = 0
-        for seq in self._prefilling:
-            p, e = seq.num_computed, seq.num_tokens
-            tokens += e - p
-            pairs += e * e - p * p
-        for seq in self._waiting:
-            e = seq.num_tokens
-            hit = min(self.kv.cached_tokens(seq.request.traj_id), e - 1)
-            p = max(hit, min(seq.kv_ready_tokens, e))
-            tokens += e - p
-            pairs += e * e - p * p
-        self._queued = (tokens, pairs)
-        return self._queued
-
-    def num_generated(self, request_id: str) -> int:
-        seq = self._by_id[request_id]
-        if seq.decoding:
-            return seq.num_generated + self._dec - seq.mark
-        return seq.num_generated
-
-    def cached_tokens(self, traj_id: str) -> int:
-        return self.kv.cached_tokens(traj_id)
-
-    def request_ids(self) -> set[str]:
-        """Every request on this instance, queued or running."""
-        return set(self._by_id)
-
-    def generated_by_request(self) -> list[tuple[Request, int]]:
-        """Every request on this instance with the tokens it generated here so far."""
-        return [(seq.request, self.num_generated(rid)) for rid, seq in self._by_id.items()]
-
-    # --- requests in and out ---------------------------------------------------------
-
-    def submit(self, request: Request) -> None:
-        """Queue a request (a decode instance: once its KV has arrived)."""
-        if not self._accepting:
-            raise ValueError(f"{request.request_id}: instance is draining")
-        if request.request_id in self._by_id:
-            raise ValueError(f"{request.request_id}: already on this instance")
-        if request.context_tokens < 1 or request.output_tokens < 1:
-            raise ValueError(f"{request.request_id}: needs a prompt and an output token")
-        peak = request.context_tokens
-        if self.role is not Role.PREFILL:
-            peak += request.output_tokens
-        if blocks_for(peak) > self.kv.num_blocks:
-            raise ValueError(f"{request.request_id}: {peak} tokens never fit the KV cache")
-        seq = _Seq(request, request.context_tokens, kv_ready_tokens=request.kv_ready_tokens)
-        self._queued = None
-        self._waiting.append(seq)
-        self._by_id[request.request_id] = seq
-        self.num_requests += 1
-        if self.on_requests_changed is not None:
-            self.on_requests_changed()
-
-    def abort(self, request_id: str) -> PartialOutput | None:
-        """Take one request off, wherever it is; None if it is not here."""
-        seq = self._by_id.get(request_id)
-        if seq is None:
-            return None
-        self._queued = None
-        if seq in self._running:
-            self._remove_running(seq)
-            self._release(seq)
-        else:
-            self._waiting.remove(seq)
-        return self._forget(seq)
-
-    def drain(self) -> tuple[PartialOutput, ...]:
-        """Stop accepting requests and hand back the queued ones; running ones finish
-        (a sequence preempted while draining is recomputed here, not handed back)."""
-        self._accepting = False
-        self._queued = None
-        return self._take_waiting()
-
-    def abort_all(self) -> tuple[PartialOutput, ...]:
-        """Take every request off (running first, oldest first), e.g. before a switch."""
-        self._queued = None
-        running = list(self._running)
-        for seq in running:
-            self._remove_running(seq)
-            self._release(seq)
-        return tuple(self._forget(s) for s in running) + self._take_waiting()
-
-    def resume(self) -> None:
-        """Accept requests again after ``drain`` (a drain that was cancelled)."""
-        self._accepting = True
+    def _leave(self, seq: Seq) -> None:
+        self._remove_running(seq)
+        self._release(seq)
 
     # --- one step --------------------------------------------------------------------
 
@@ -355,12 +207,11 @@ class EngineModel:
 
     def _decode_step_s(self, batch: int, ctx: int) -> float:
         """``DecodeCoeffs.step_s(batch, ctx)`` on scalars, with the same float operations."""
-        decode = self.engine.decode
         b = float(batch)
-        g = decode.small if b < decode.large_batch_from else decode.large
+        g = self._regime(batch)
         return g.base_s + g.per_seq_s * b + g.per_ctx_token_s * float(ctx)
 
-    def _prefill_s(self, chunks: list[tuple[_Seq, int]]) -> float:
+    def _prefill_s(self, chunks: list[tuple[Seq, int]]) -> float:
         """``PrefillCoeffs.batch_s`` of the chunks. Its float sums are of whole numbers
         below 2**53 here, hence exact in any order: the same float from integer sums."""
         new = 0
@@ -389,7 +240,7 @@ class EngineModel:
         sequences grow one by one, oldest first, preempting the newest when blocks run
         out. Returns the sequences decoded and their context before the step."""
         self._sync()
-        decoding: list[_Seq] = []
+        decoding: list[Seq] = []
         running = self._running
         for seq in list(running):
             if len(decoding) >= budget or seq not in running:
@@ -416,7 +267,7 @@ class EngineModel:
             self._ctx += len(decoding)
         return len(decoding), ctx
 
-    def _grow(self, seq: _Seq, preempted: list[str]) -> bool:
+    def _grow(self, seq: Seq, preempted: list[str]) -> bool:
         need = blocks_for(seq.num_tokens + 1) - blocks_for(seq.num_tokens)
         while need > 0 and not self.kv.allocate(need):
             victim = next(reversed(self._running))
@@ -427,8 +278,8 @@ class EngineModel:
                 return False
         return True
 
-    def _schedule_prefills(self, budget: int) -> list[tuple[_Seq, int]]:
-        chunks: list[tuple[_Seq, int]] = []
+    def _schedule_prefills(self, budget: int) -> list[tuple[Seq, int]]:
+        chunks: list[tuple[Seq, int]] = []
         for seq in self._prefilling:
             if budget <= 0:
                 return chunks
@@ -452,19 +303,19 @@ class EngineModel:
                 return
             self._admit(self._waiting.popleft())
 
-    def _admissible(self, seq: _Seq) -> bool:
+    def _admissible(self, seq: Seq) -> bool:
         if len(self._running) >= self.engine.max_num_seqs:
             return False
         need = blocks_for(seq.num_tokens) - self._claimable_blocks(seq)
         return self.kv.can_hold(need, seq.request.traj_id)
 
-    def _claimable_blocks(self, seq: _Seq) -> int:
+    def _claimable_blocks(self, seq: Seq) -> int:
         cached = self.kv.cached_tokens(seq.request.traj_id) // BLOCK_TOKENS
         return min(cached, blocks_for(seq.num_tokens))
 
-    def _admit(self, seq: _Seq) -> None:
+    def _admit(self, seq: Seq) -> None:
         traj_id = seq.request.traj_id
-        hit_tokens = min(self.kv.cached_tokens(traj_id), seq.num_tokens - 1)
+        hit_tokens = self._hit_tokens(seq)
         total = blocks_for(seq.num_tokens)
         claimed = self.kv.claim(traj_id, total)
         allocated = self.kv.allocate(total - claimed)
@@ -478,44 +329,31 @@ class EngineModel:
         else:
             self._start_decoding(seq)
 
-    def _preempt(self, seq: _Seq) -> None:
+    def _preempt(self, seq: Seq) -> None:
         self._release(seq)
         seq.num_tokens = seq.request.context_tokens + seq.num_generated
         seq.kv_ready_tokens = 0
         self._waiting.appendleft(seq)
 
-    def _release(self, seq: _Seq) -> None:
+    def _release(self, seq: Seq) -> None:
         """A sequence taken off the running batch (its counters true) frees its blocks."""
         self.kv.release(blocks_for(seq.num_tokens), seq.request.traj_id, seq.num_computed)
         seq.num_computed = 0
 
     # --- bookkeeping of the running batch --------------------------------------------
 
-    def _start_decoding(self, seq: _Seq) -> None:
+    def _start_decoding(self, seq: Seq) -> None:
         """A running sequence with its counters true and its prompt computed decodes."""
-        dec = self._dec
-        seq.decoding = True
-        seq.mark = dec
-        seq.cls = (seq.num_tokens - dec) % BLOCK_TOKENS
-        self._hist[seq.cls] += 1
-        self._hist[seq.cls + BLOCK_TOKENS] += 1
-        self._ctx += seq.num_tokens
-        entry = (dec + seq.request.output_tokens - seq.num_generated, seq.order, seq)
-        seq.entry = entry
-        heapq.heappush(self._heap, entry)
+        self._join_decoding(seq, seq.num_tokens)
 
-    def _stop_decoding(self, seq: _Seq) -> None:
+    def _stop_decoding(self, seq: Seq) -> None:
         """Make the counters of a decoding sequence true and take it off the aggregates."""
         delta = self._dec - seq.mark
         if delta:
             seq.num_tokens += delta
             seq.num_computed += delta
             seq.num_generated += delta
-        seq.decoding = False
-        seq.entry = None
-        self._hist[seq.cls] -= 1
-        self._hist[seq.cls + BLOCK_TOKENS] -= 1
-        self._ctx -= seq.num_tokens
+        self._leave_decoding(seq, seq.num_tokens)
 
     def _sync(self) -> None:
         """Make every decoding sequence's stored counters true (aggregates unchanged)."""
@@ -529,7 +367,7 @@ class EngineModel:
                     seq.num_generated += delta
                     seq.mark = dec
 
-    def _remove_running(self, seq: _Seq) -> None:
+    def _remove_running(self, seq: Seq) -> None:
         del self._running[seq]
         if seq.decoding:
             self._stop_decoding(seq)
@@ -540,23 +378,15 @@ class EngineModel:
 
     def _finish(self, duration_s: float) -> tuple[Finished, ...]:
         """Retire the decoding sequences that generated their last token."""
-        heap = self._heap
-        dec = self._dec
-        done: list[_Seq] = []
-        while heap and heap[0][0] <= dec:
-            entry = heapq.heappop(heap)
-            if entry[2].entry is entry:
-                done.append(entry[2])
+        done = self._due()
         if not done:
             return ()
-        if len(done) > 1:
-            done.sort(key=_order)
         for seq in done:
             self._retire(seq)
         return tuple([Finished(seq.request, duration_s) for seq in done])
 
     def _advance_prefills(
-        self, chunks: list[tuple[_Seq, int]], duration_s: float
+        self, chunks: list[tuple[Seq, int]], duration_s: float
     ) -> tuple[KvHandoff, ...]:
         for seq, chunk in chunks:
             seq.num_computed += chunk
@@ -571,25 +401,6 @@ class EngineModel:
             self._retire(seq)
         return tuple(KvHandoff(s.request, s.num_tokens, duration_s) for s in done)
 
-    def _retire(self, seq: _Seq) -> None:
-        del self._by_id[seq.request.request_id]
-        self.num_requests -= 1
-        if self.on_requests_changed is not None:
-            self.on_requests_changed()
-        self._remove_running(seq)
-        self._release(seq)
-
-    def _forget(self, seq: _Seq) -> PartialOutput:
-        del self._by_id[seq.request.request_id]
-        self.num_requests -= 1
-        if self.on_requests_changed is not None:
-            self.on_requests_changed()
-        return PartialOutput(seq.request, seq.num_generated)
-
-    def _take_waiting(self) -> tuple[PartialOutput, ...]:
-        waiting, self._waiting = self._waiting, deque()
-        return tuple(self._forget(s) for s in waiting)
-
     # --- several decode steps at once ------------------------------------------------
 
     def _stable_decode_steps(self, max_steps: int) -> int:
@@ -601,11 +412,9 @@ class EngineModel:
         ):
             return 1
         num_steps = max_steps
-        heap = self._heap
-        while heap and heap[0][2].entry is not heap[0]:
-            heapq.heappop(heap)  # a sequence that left
-        if heap:
-            num_steps = min(num_steps, heap[0][0] - self._dec)
+        finish_dec = self._next_finish_dec()
+        if finish_dec is not None:
+            num_steps = min(num_steps, finish_dec - self._dec)
         if num_steps <= 1:
             return 1
         if self._waiting and self._admissible(self._waiting[0]):
@@ -616,26 +425,12 @@ class EngineModel:
             num_steps //= 2
         return num_steps
 
-    def _growth_blocks(self, num_steps: int) -> int:
-        """Blocks the decoding sequences need for ``num_steps`` more tokens each.
-
-        A sequence of ``t`` tokens has ``r = -t % BLOCK_TOKENS`` free slots in its last
-        block, so ``q * BLOCK_TOKENS + k`` more tokens (``k < BLOCK_TOKENS``) open ``q``
-        blocks, plus one when ``r < k``. Its ``cls`` is ``(t - _dec) % BLOCK_TOKENS``, so
-        ``r < k`` for the classes ``-_dec - j`` (``j < k``): ``k`` classes in a row."""
-        q, k = divmod(num_steps, BLOCK_TOKENS)
-        total = q * (len(self._running) - len(self._prefilling)) if q else 0
-        if k:
-            first = (-self._dec - k + 1) % BLOCK_TOKENS
-            total += sum(self._hist[first : first + k])
-        return total
-
     def _decode_steps(self, num_steps: int, max_duration_s: float) -> EngineStepResult:
         batch = len(self._running)
         ctx = self._ctx
         decode = self.engine.decode
         b = float(batch)
-        g = decode.small if b < decode.large_batch_from else decode.large
+        g = self._regime(batch)
         c0 = g.base_s + g.per_seq_s * b
         ck = g.per_ctx_token_s
         # the cumulative step times one by one, as np.cumsum adds them, while few
@@ -665,7 +460,3 @@ class EngineModel:
 
 
 _LOOP_STEPS = 64  # multi-step calls of up to this many steps time them without numpy
-
-
-def _order(seq: _Seq) -> int:
-    return seq.order

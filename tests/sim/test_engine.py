@@ -6,39 +6,14 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from engine_fixtures import CAPACITY_TOKENS, engine_profile, run_to_end
 from testing_profiles import make_profile
 
-from pearl.core.profile import (
-    DecodeCoeffs,
-    DecodeRegime,
-    EngineProfile,
-    PrefillCoeffs,
-    RuntimeProfile,
-)
+from pearl.core.profile import RuntimeProfile
 from pearl.core.roles import Role
 from pearl.serving.requests import Request
-from pearl.sim.engine import EngineModel, EngineStepResult, kv_transfer_s
+from pearl.sim.engine import EngineModel, kv_transfer_s
 from pearl.sim.kv_cache import BLOCK_TOKENS
-
-CAPACITY_TOKENS = 100_000
-
-
-def engine_profile(max_batched_tokens: int = 8192, max_num_seqs: int = 256) -> EngineProfile:
-    """Round, plausible coefficients of an 8B-like model on one GPU (not measurements)."""
-    return EngineProfile(
-        tp=1,
-        prefill=PrefillCoeffs(a_s=0.01, b_s_per_token=5e-5, c_s_per_token2=1e-10),
-        decode=DecodeCoeffs(
-            small=DecodeRegime(base_s=0.010, per_seq_s=5e-5, per_ctx_token_s=1e-8),
-            large=DecodeRegime(base_s=0.008, per_seq_s=8e-5, per_ctx_token_s=1e-8),
-            large_batch_from=64,
-        ),
-        max_num_seqs=max_num_seqs,
-        max_batched_tokens=max_batched_tokens,
-        kv_capacity_tokens=CAPACITY_TOKENS,
-    )
 
 
 def runtime_profile() -> RuntimeProfile:
@@ -52,18 +27,6 @@ def make_engine(
     role: Role = Role.COLOCATED, capacity_tokens: int = CAPACITY_TOKENS, **kwargs: int
 ) -> EngineModel:
     return EngineModel(role, engine_profile(**kwargs), capacity_tokens)
-
-
-def run_to_end(
-    engine: EngineModel, max_steps: int = 1, limit: int = 100_000
-) -> list[EngineStepResult]:
-    results = []
-    while engine.has_work:
-        assert engine.num_requests == engine.num_running + engine.num_waiting
-        results.append(engine.step(max_steps))
-        assert engine.kv_used_tokens <= engine.kv.num_blocks * BLOCK_TOKENS
-        assert len(results) < limit, "engine does not make progress"
-    return results
 
 
 def decode_alone_s(ctx_tokens: int, output_tokens: int) -> float:
@@ -158,56 +121,6 @@ def test_a_fully_cached_prompt_recomputes_its_last_token() -> None:
     run_to_end(engine)
     engine.submit(Request("b", "t", context_tokens=64, output_tokens=1))
     assert engine.step().num_prefill_tokens == 1
-
-
-def test_kv_pressure_queues_and_preempts_and_everything_finishes() -> None:
-    engine = make_engine(capacity_tokens=1024)
-    for i in range(6):
-        engine.submit(Request(f"r{i}", f"t{i}", context_tokens=300, output_tokens=200))
-    results = run_to_end(engine)
-    assert max(r.num_decode_seqs for r in results) <= 3
-    assert sum(len(r.preempted) for r in results) > 0
-    finished = sorted(f.request.request_id for r in results for f in r.finished)
-    assert finished == [f"r{i}" for i in range(6)]
-    assert sum(r.num_generated_tokens for r in results) == 6 * 200
-
-
-requests_strategy = st.lists(
-    st.tuples(st.integers(1, 600), st.integers(1, 300)), min_size=1, max_size=12
-)
-
-
-@settings(max_examples=60, deadline=None)
-@given(
-    requests=requests_strategy,
-    capacity_tokens=st.sampled_from([1024, 2048, 8192]),
-    max_num_seqs=st.integers(1, 8),
-    max_batched_tokens=st.sampled_from([64, 512, 8192]),
-    max_steps=st.sampled_from([1, 5, 1000]),
-)
-def test_every_request_finishes_once_and_kv_never_overflows(
-    requests: list[tuple[int, int]],
-    capacity_tokens: int,
-    max_num_seqs: int,
-    max_batched_tokens: int,
-    max_steps: int,
-) -> None:
-    def run() -> list[EngineStepResult]:
-        engine = make_engine(
-            capacity_tokens=capacity_tokens,
-            max_num_seqs=max_num_seqs,
-            max_batched_tokens=max_batched_tokens,
-        )
-        for i, (ctx, out) in enumerate(requests):
-            engine.submit(Request(f"r{i}", f"t{i % 3}", ctx, out))
-        return run_to_end(engine, max_steps)  # asserts the KV bound and the counts per step
-
-    results = run()
-    finished = sorted(f.request.request_id for r in results for f in r.finished)
-    assert finished == sorted(f"r{i}" for i in range(len(requests)))
-    assert sum(r.num_generated_tokens for r in results) == sum(o for _, o in requests)
-    assert all(r.duration_s > 0 for r in results)
-    assert run() == results  # same inputs, same outputs
 
 
 def test_prefill_then_decode_on_another_instance_adds_the_transfer() -> None:

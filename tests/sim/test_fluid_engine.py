@@ -1,44 +1,25 @@
 """The fluid engine model: the step model's closed forms, one call per change of the batch,
-conservation under any calls, the PD roles, and runs whose throughput is the step model's
-within 2% on the shipped scenarios."""
+the PD roles, and runs whose throughput is the step model's within 2% on the shipped
+scenarios (conservation under any calls: ``test_engine_invariants.py``, for both models)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from engine_fixtures import CAPACITY_TOKENS, engine_profile, run_to_end
 
-from pearl.core.profile import DecodeCoeffs, DecodeRegime, EngineProfile, PrefillCoeffs
 from pearl.core.roles import Role
 from pearl.io.scenarios import load_scenario_and_profile
 from pearl.io.simulation import run_inputs
 from pearl.serving.requests import Request
 from pearl.sim.baselines import make_policy
-from pearl.sim.engine import EngineModel, EngineStepResult
+from pearl.sim.engine import EngineModel
 from pearl.sim.fluid_engine import FluidEngineModel
 from pearl.sim.kv_cache import BLOCK_TOKENS
 from pearl.sim.runner import simulate
 
-CAPACITY_TOKENS = 100_000
 SCENARIOS = Path(__file__).resolve().parents[2] / "benchmarks" / "scenarios"
-
-
-def engine_profile(max_batched_tokens: int = 8192, max_num_seqs: int = 256) -> EngineProfile:
-    """Round, plausible coefficients of an 8B-like model on one GPU (not measurements)."""
-    return EngineProfile(
-        tp=1,
-        prefill=PrefillCoeffs(a_s=0.01, b_s_per_token=5e-5, c_s_per_token2=1e-10),
-        decode=DecodeCoeffs(
-            small=DecodeRegime(base_s=0.010, per_seq_s=5e-5, per_ctx_token_s=1e-8),
-            large=DecodeRegime(base_s=0.008, per_seq_s=8e-5, per_ctx_token_s=1e-8),
-            large_batch_from=64,
-        ),
-        max_num_seqs=max_num_seqs,
-        max_batched_tokens=max_batched_tokens,
-        kv_capacity_tokens=CAPACITY_TOKENS,
-    )
 
 
 def fluid(
@@ -47,25 +28,13 @@ def fluid(
     return FluidEngineModel(role, engine_profile(**kwargs), capacity_tokens)
 
 
-def run_to_end(
-    engine: FluidEngineModel | EngineModel, max_steps: int = 4096, limit: int = 100_000
-) -> list[EngineStepResult]:
-    results = []
-    while engine.has_work:
-        results.append(engine.step(max_steps))
-        assert engine.kv_used_tokens <= engine.kv.num_blocks * BLOCK_TOKENS
-        assert results[-1].duration_s > 0.0
-        assert len(results) < limit, "engine does not make progress"
-    return results
-
-
 def test_one_request_alone_takes_what_the_step_model_takes_in_one_call() -> None:
     engine = fluid()
     engine.submit(Request("r", "t", context_tokens=1000, output_tokens=50))
-    results = run_to_end(engine)
+    results = run_to_end(engine, 4096)
     step = EngineModel(Role.COLOCATED, engine_profile(), CAPACITY_TOKENS)
     step.submit(Request("r", "t", context_tokens=1000, output_tokens=50))
-    expected_s = sum(r.duration_s for r in run_to_end(step))
+    expected_s = sum(r.duration_s for r in run_to_end(step, 4096))
     assert len(results) == 1 and results[0].num_steps == 51
     assert results[0].duration_s == pytest.approx(expected_s, rel=1e-12)
     assert [f.request.request_id for f in results[0].finished] == ["r"]
@@ -110,12 +79,12 @@ def test_a_bounded_run_ends_at_the_first_step_boundary_at_or_after_the_bound() -
 def test_a_cached_prefix_is_reused_and_a_long_prompt_is_chunked() -> None:
     engine = fluid(max_batched_tokens=512)
     engine.submit(Request("t-0", "t", context_tokens=1300, output_tokens=3))
-    first = run_to_end(engine)
+    first = run_to_end(engine, 4096)
     assert [r.num_prefill_tokens for r in first] == [1300]  # three chunk steps in one call
     assert first[0].num_steps == 3 + 3  # three chunk steps, then one per output token
     engine.submit(Request("t-1", "t", context_tokens=1400, output_tokens=3))
     assert engine.queued_prefill()[0] == 1400 - (1303 // BLOCK_TOKENS) * BLOCK_TOKENS
-    second = run_to_end(engine)
+    second = run_to_end(engine, 4096)
     assert second[0].num_prefill_tokens == 1400 - (1303 // BLOCK_TOKENS) * BLOCK_TOKENS
 
 
@@ -123,12 +92,12 @@ def test_prefill_instances_hand_off_and_decode_instances_skip_the_prefill() -> N
     pre = fluid(Role.PREFILL)
     pre.submit(Request("r", "t", context_tokens=1000, output_tokens=50))
     pre.submit(Request("s", "u", context_tokens=9000, output_tokens=50))
-    results = run_to_end(pre)
+    results = run_to_end(pre, 4096)
     handed = [(h.request.request_id, h.kv_tokens) for r in results for h in r.handoffs]
     assert handed == [("r", 1000), ("s", 9000)] and not any(r.finished for r in results)
     dec = fluid(Role.DECODE)
     dec.submit(Request("r.d", "t", context_tokens=1000, output_tokens=50, kv_ready_tokens=1000))
-    (only,) = run_to_end(dec)
+    (only,) = run_to_end(dec, 4096)
     assert only.num_prefill_tokens == 0 and only.num_steps == 50
 
 
@@ -149,60 +118,6 @@ def test_abort_drain_and_abort_all_return_the_partial_outputs() -> None:
     (taken,) = engine.abort_all()
     assert (taken.request.request_id, taken.num_generated_tokens) == ("r0", generated)
     assert engine.num_requests == 0 and engine.kv.num_held_blocks == 0
-
-
-def test_kv_pressure_queues_and_preempts_and_everything_finishes() -> None:
-    engine = fluid(capacity_tokens=1024)
-    for i in range(6):
-        engine.submit(Request(f"r{i}", f"t{i}", context_tokens=300, output_tokens=200))
-    results = run_to_end(engine)
-    assert sum(len(r.preempted) for r in results) > 0
-    finished = sorted(f.request.request_id for r in results for f in r.finished)
-    assert finished == [f"r{i}" for i in range(6)]
-    assert sum(r.num_generated_tokens for r in results) == 6 * 200
-
-
-requests_strategy = st.lists(
-    st.tuples(st.integers(1, 600), st.integers(1, 300)), min_size=1, max_size=12
-)
-
-
-@settings(max_examples=100, deadline=None)
-@given(
-    requests=requests_strategy,
-    capacity_tokens=st.sampled_from([1024, 2048, 8192]),
-    max_num_seqs=st.integers(1, 8),
-    max_batched_tokens=st.sampled_from([64, 512, 8192]),
-    bound_s=st.sampled_from([0.0, 0.05, float("inf")]),
-)
-def test_every_request_finishes_once_and_kv_never_overflows(
-    requests: list[tuple[int, int]],
-    capacity_tokens: int,
-    max_num_seqs: int,
-    max_batched_tokens: int,
-    bound_s: float,
-) -> None:
-    engine = fluid(
-        capacity_tokens=capacity_tokens,
-        max_num_seqs=max_num_seqs,
-        max_batched_tokens=max_batched_tokens,
-    )
-    ids = []
-    for i, (prompt, output) in enumerate(requests):
-        if prompt + output > capacity_tokens:
-            continue
-        engine.submit(Request(f"r{i}", f"t{i % 3}.{i}", prompt, output))
-        ids.append(f"r{i}")
-    results = []
-    while engine.has_work:
-        results.append(engine.step(4096, bound_s))
-        assert engine.kv_used_tokens <= engine.kv.num_blocks * BLOCK_TOKENS
-        assert results[-1].duration_s > 0.0 and len(results) < 100_000
-    finished = sorted(f.request.request_id for r in results for f in r.finished)
-    assert finished == sorted(ids) and engine.num_requests == 0
-    expected = sum(o for i, (p, o) in enumerate(requests) if f"r{i}" in ids)
-    assert sum(r.num_generated_tokens for r in results) == expected
-    assert engine.kv.num_held_blocks == 0
 
 
 def _throughput(scenario: str, policy: str, model: str) -> float:
