@@ -31,6 +31,7 @@ from pearl.sim.oracle_costs import CostModel
 from pearl.sim.oracle_replay import replay_run
 from pearl.sim.rollout import trajectory_stream
 from pearl.sim.runner import RunInputs, Simulation, trajectory_rng
+from pearl.sim.trajectories import TrajectorySpec
 
 SCENARIOS = Path(__file__).resolve().parent / "scenarios"
 FACTORS = (1.0, 1.15, 1.5, 2.0, 3.0)
@@ -68,22 +69,24 @@ def engine_figures(inputs: RunInputs, policy: str) -> tuple[Simulation, dict[str
     }
 
 
+def first_specs(inputs: RunInputs, n: int) -> list[TrajectorySpec]:
+    """The run's first ``n`` trajectories, as its rollout draws them."""
+    sc = inputs.scenario
+    stream = trajectory_stream(
+        inputs.trajectory_model,
+        trajectory_rng(inputs.seed),
+        sc.rollout.max_context_tokens,
+        sc.rollout.group_size,
+    )
+    return list(islice(stream, n))
+
+
 def trajectory_figures(inputs: RunInputs, sim: Simulation) -> dict[str, float]:
     """Of the finished trajectories never restarted: mean seconds from admission to
     finish outside tool calls, against the oracle's own time less the tools."""
     sc = inputs.scenario
     started = sim.rollout.num_started
-    specs = list(
-        islice(
-            trajectory_stream(
-                inputs.trajectory_model,
-                trajectory_rng(inputs.seed),
-                sc.rollout.max_context_tokens,
-                sc.rollout.group_size,
-            ),
-            started,
-        )
-    )
+    specs = first_specs(inputs, started)
     done = [
         r
         for r in sim.rollout.ledger.trajectories.values()
@@ -109,17 +112,7 @@ def fluid_slowdown(inputs: RunInputs, accepted: int, gpu_s: float) -> tuple[floa
     every token, over the least step of one sequence; the GPU-seconds that takes; and the
     work of the trajectories at their cheapest (``oracle_costs``), prefill included."""
     sc = inputs.scenario
-    specs = list(
-        islice(
-            trajectory_stream(
-                inputs.trajectory_model,
-                trajectory_rng(inputs.seed),
-                sc.rollout.max_context_tokens,
-                sc.rollout.group_size,
-            ),
-            accepted,
-        )
-    )
+    specs = first_specs(inputs, accepted)
     tokens = ctx_tokens = 0.0
     for s in specs:
         ctx = s.prompt_tokens

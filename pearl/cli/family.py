@@ -20,13 +20,12 @@ from typing import Any
 
 import numpy as np
 
-from pearl.cli.flags import integer, positive_seconds
-from pearl.cli.sweep import policies_of, run_points, variant_of, write_result
-from pearl.core.limits import MAX_SEEDS, MAX_SWEEP_POINTS
+from pearl.cli.flags import integer
+from pearl.cli.sweep import add_run_flags, policies_of, run_points, variant_of, write_result
+from pearl.core.limits import MAX_SWEEP_POINTS
 from pearl.core.profile import RuntimeProfile
 from pearl.io.documents import InputError, read_document
 from pearl.io.scenarios import scenario_of_document
-from pearl.sim.baselines import REPORTED
 from pearl.sim.family import BaseScenario, Variant, canonical, drawn
 from pearl.sim.scenario import Scenario
 from pearl.sim.sweep import Point, worst
@@ -46,18 +45,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument(
         "--only", default=None, help="comma-separated words: keep variants whose names hold one"
     )
-    p.add_argument(
-        "--policies", default=",".join(REPORTED), help=f"comma-separated, from {','.join(REPORTED)}"
-    )
-    p.add_argument("--seeds", type=integer(1, MAX_SEEDS), default=None, help="runs per variant")
-    p.add_argument(
-        "--duration-s", type=positive_seconds, default=None, help="override the simulated time"
-    )
-    p.add_argument(
-        "--jobs", type=integer(1, 1024), default=None, help="processes (default: the cores)"
-    )
-    p.add_argument("--out", type=Path, default=None, help="output folder (runs/family)")
-    p.add_argument("--json", action="store_true", help="print only the JSON result")
+    add_run_flags(p, "variant", "runs/family")
     p.set_defaults(run=run)
 
 

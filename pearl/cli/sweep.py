@@ -49,19 +49,25 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         metavar="FIELD=V1,V2,...",
         help="a dotted field of the scenario and its values (repeat for a product)",
     )
+    add_run_flags(p, "point", "runs/sweep-SCENARIO")
+    p.set_defaults(run=run)
+
+
+def add_run_flags(p: argparse.ArgumentParser, unit: str, default_out: str) -> None:
+    """The flags ``pearl sweep`` and ``pearl family`` share: which policies, how many seeds
+    per ``unit``, the simulated time, the processes, the output folder and ``--json``."""
     p.add_argument(
         "--policies", default=",".join(REPORTED), help=f"comma-separated, from {','.join(REPORTED)}"
     )
-    p.add_argument("--seeds", type=integer(1, MAX_SEEDS), default=None, help="runs per point")
+    p.add_argument("--seeds", type=integer(1, MAX_SEEDS), default=None, help=f"runs per {unit}")
     p.add_argument(
         "--duration-s", type=positive_seconds, default=None, help="override the simulated time"
     )
     p.add_argument(
         "--jobs", type=integer(1, 1024), default=None, help="processes (default: the cores)"
     )
-    p.add_argument("--out", type=Path, default=None, help="output folder (runs/sweep-SCENARIO)")
+    p.add_argument("--out", type=Path, default=None, help=f"output folder ({default_out})")
     p.add_argument("--json", action="store_true", help="print only the JSON result")
-    p.set_defaults(run=run)
 
 
 def axis_of(text: str) -> Axis:
