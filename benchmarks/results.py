@@ -1,7 +1,7 @@
 """Write docs/results.md: every shipped scenario with every policy, 3 seeds, and the
 predictor's error on the same runs' decisions.
 
-    .venv/bin/python benchmarks/results.py                # about 20 minutes on one core
+    .venv/bin/python benchmarks/results.py                # about 77 minutes on 2 cores
     .venv/bin/python benchmarks/results.py --notes-only   # the commentary alone
     .venv/bin/python benchmarks/results.py --dev-cluster PAIR_DIR   # pearl run on Slurm
 
