@@ -29,8 +29,7 @@ from pearl.sim.fleet import Instance
 from pearl.sim.oracle import run_engines, run_oracle_bound
 from pearl.sim.oracle_costs import CostModel
 from pearl.sim.oracle_replay import replay_run
-from pearl.sim.rollout import trajectory_stream
-from pearl.sim.runner import RunInputs, Simulation, trajectory_rng
+from pearl.sim.runner import RunInputs, Simulation
 from pearl.sim.trajectories import TrajectorySpec
 
 SCENARIOS = Path(__file__).resolve().parent / "scenarios"
@@ -71,14 +70,7 @@ def engine_figures(inputs: RunInputs, policy: str) -> tuple[Simulation, dict[str
 
 def first_specs(inputs: RunInputs, n: int) -> list[TrajectorySpec]:
     """The run's first ``n`` trajectories, as its rollout draws them."""
-    sc = inputs.scenario
-    stream = trajectory_stream(
-        inputs.trajectory_model,
-        trajectory_rng(inputs.seed),
-        sc.rollout.max_context_tokens,
-        sc.rollout.group_size,
-    )
-    return list(islice(stream, n))
+    return list(islice(inputs.stream(), n))
 
 
 def trajectory_figures(inputs: RunInputs, sim: Simulation) -> dict[str, float]:

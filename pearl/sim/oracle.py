@@ -120,8 +120,7 @@ from pearl.core.profile import EngineProfile, RuntimeProfile
 from pearl.rollout.rules import Batching
 from pearl.sim.availability import Window
 from pearl.sim.oracle_async import GpuSupply, first_completed_bound
-from pearl.sim.rollout import trajectory_stream
-from pearl.sim.runner import RunInputs, trajectory_rng
+from pearl.sim.runner import RunInputs
 from pearl.sim.scenario import Scenario
 from pearl.sim.trajectories import TrajectorySpec
 
@@ -170,14 +169,7 @@ def train_step_s(scenario: Scenario, profile: RuntimeProfile) -> float:
 def run_oracle_bound(inputs: RunInputs) -> OracleBound:
     """The bound on the run of ``inputs``, on the very stream that run draws (its seed's
     generator, each group's samples sharing their prompt)."""
-    sc = inputs.scenario
-    stream = trajectory_stream(
-        inputs.trajectory_model,
-        trajectory_rng(inputs.seed),
-        sc.rollout.max_context_tokens,
-        sc.rollout.group_size,
-    )
-    return oracle_bound(sc, inputs.profile, inputs.windows, stream)
+    return oracle_bound(inputs.scenario, inputs.profile, inputs.windows, inputs.stream())
 
 
 def oracle_bound(

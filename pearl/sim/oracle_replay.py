@@ -40,7 +40,7 @@ from pearl.rollout.rules import PastBound, RolloutRules
 from pearl.sim.oracle import first_engine_s, run_engines, train_step_s
 from pearl.sim.oracle_costs import SMALLEST_TRAJECTORY, CostModel
 from pearl.sim.rollout import fitted, trajectory_stream
-from pearl.sim.runner import RunInputs, restart_rng, trajectory_rng
+from pearl.sim.runner import RunInputs, restart_rng
 from pearl.sim.trajectories import TrajectorySpec
 
 
@@ -124,9 +124,7 @@ def replay_run(inputs: RunInputs, gpu_factor: float = 1.0) -> ReplayResult:
     rules = sc.rollout.rules()
     model = CostModel(run_engines(sc, inputs.profile, inputs.windows))
     max_ctx = sc.rollout.max_context_tokens
-    stream = trajectory_stream(
-        inputs.trajectory_model, trajectory_rng(inputs.seed), max_ctx, rules.group_size
-    )
+    stream = inputs.stream()
     fresh = trajectory_stream(inputs.trajectory_model, restart_rng(inputs.seed), max_ctx)
 
     def times(batch: Sequence[TrajectorySpec]) -> list[float]:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,7 +81,7 @@ from pearl.sim.execution import PlanExecution
 from pearl.sim.fleet import Fleet, Instance, handoff_request
 from pearl.sim.metrics import GpuClock, RunMetrics, rollout_figures
 from pearl.sim.predictions import PredictionLedger
-from pearl.sim.rollout import BatchRecord, Rollout, Trajectory
+from pearl.sim.rollout import BatchRecord, Rollout, Trajectory, trajectory_stream
 from pearl.sim.scenario import Scenario
 from pearl.sim.slurm import SlurmModel
 from pearl.sim.states import initial_state, synced
@@ -100,7 +100,7 @@ from pearl.sim.timeline import (
     TrainDone,
     Unpark,
 )
-from pearl.sim.trajectories import TrajectoryModel, means, turns_left_table
+from pearl.sim.trajectories import TrajectoryModel, TrajectorySpec, means, turns_left_table
 
 Sink = Callable[[Record], None]
 Queued = list[tuple[float, SimEvent, int]]  # follow-ups with their priority, for the loop
@@ -114,6 +114,17 @@ class RunInputs:
     windows: tuple[Window, ...]  # elastic availability in run time (already clipped)
     seed: int
     decision_interval_s: float = 60.0
+
+    def stream(self) -> Iterator[TrajectorySpec]:
+        """The run's trajectory stream from its first trajectory: what its rollout draws,
+        and what the oracle and the checks draw to see the same trajectories."""
+        rollout = self.scenario.rollout
+        return trajectory_stream(
+            self.trajectory_model,
+            trajectory_rng(self.seed),
+            rollout.max_context_tokens,
+            rollout.group_size,
+        )
 
 
 def trajectory_rng(seed: int) -> np.random.Generator:

@@ -14,8 +14,7 @@ from pearl.serving.requests import Request
 from pearl.sim.baselines import RUN_POLICIES, make_policy
 from pearl.sim.fleet import Instance
 from pearl.sim.kv_cache import BLOCK_TOKENS
-from pearl.sim.rollout import trajectory_stream
-from pearl.sim.runner import RunInputs, Simulation, simulate, trajectory_rng
+from pearl.sim.runner import RunInputs, Simulation, simulate
 from pearl.sim.scenario import Scenario
 from pearl.sim.timeline import Arrive
 
@@ -164,9 +163,7 @@ def test_finished_trajectories_are_their_stream_specs(
     r = F.busy_run(policy, 0, rules)
     sc = r.sim.inputs.scenario
     g = sc.rollout.group_size
-    stream = trajectory_stream(
-        r.sim.inputs.trajectory_model, trajectory_rng(0), sc.rollout.max_context_tokens, g
-    )
+    stream = r.sim.inputs.stream()
     specs = [next(stream) for _ in range(r.sim.rollout.num_started)]
     restarted = {t for t, rec in r.sim.rollout.ledger.trajectories.items() if rec.restarts}
     checked = 0
