@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import get_args
 
 from pearl.bench.decide import bench_decide
 from pearl.bench.simulator import bench_predictor, bench_sim
@@ -11,6 +12,7 @@ from pearl.cli.flags import gpus, integer, number, positive_seconds, repeats, se
 from pearl.core.limits import MAX_SECONDS, MAX_SEEDS, MAX_TOKENS, MAX_TRAJECTORIES
 from pearl.io.documents import InputError
 from pearl.io.extras import require
+from pearl.sim.engine_models import EngineModelName
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -40,7 +42,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     sm.add_argument(
         "--engine-model",
-        choices=("step", "fluid"),
+        choices=get_args(EngineModelName),
         default="fluid",
         help="engine model (fluid: within 2%% of step's throughput, faster)",
     )

@@ -45,6 +45,7 @@ from pearl.core.limits import PositiveFloat as PosFloat
 from pearl.core.state import Frozen
 from pearl.rollout.rules import Batching, PastBound, RolloutRules
 from pearl.sim.availability import GPUS_PER_NODE
+from pearl.sim.engine_models import EngineModelName
 
 PosInt = Annotated[int, Field(ge=1, le=1_000_000)]
 GpuType = Id
@@ -272,7 +273,7 @@ class Scenario(Frozen):
     rollout: RolloutSection = Field(description="Rollout batch, staleness and workload.")
     training: TrainingSection = Field(TrainingSection(), description="Trainer settings.")
     policy: PolicyConfig = Field(PolicyConfig(), description="Configuration of pearl.")
-    engine_model: Literal["step", "fluid"] = Field(
+    engine_model: EngineModelName = Field(
         "step",
         description="How the inference instances are simulated: step (vLLM's scheduler step "
         "by step, the reference) or fluid (to the next change of the batch in one call: "

@@ -10,10 +10,8 @@
   (``max_return_delay_s``: a lend that cold-starts engines on the trainer's GPUs runs a
   plan a forced return would wait for, and the predictor errs by tens of percent), unless
   no engine serves yet (a run's start: no batch can complete before the plan's engines
-  are up); the
-  window's
-  ``return_by_s`` is when rollout must have vacated the GPUs so that the trainer's onload
-  ends as the batch is predicted to complete;
+  are up); the window's ``return_by_s`` is when rollout must have vacated the GPUs so
+  that the trainer's onload ends as the batch is predicted to complete;
 - return on schedule, starting early enough for drain, sleep and the margin; the
   schedule follows each decision's prediction of the running configuration (the one
   made when lending is stale once the batch runs longer or shorter than predicted);
