@@ -25,14 +25,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from held_run import held_run
 
 from pearl.cli.flags import integer, positive_seconds
 from pearl.core.limits import MAX_SEEDS
 from pearl.io.scenarios import load_scenario_and_profile, scenario_of_document
-from pearl.io.simulation import run_inputs
-from pearl.sim.baselines import make_policy
 from pearl.sim.family import OUTPUT_TOKENS, TOOL_LATENCIES_S, workload
-from pearl.sim.runner import simulate
 from pearl.sim.sweep import Point, with_point
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,22 +51,14 @@ def run_one(name: str, variant: str, mode: str, seed: int, duration_s: float) ->
     doc = with_point(base.model_dump(mode="json"), point)
     scenario, profile = scenario_of_document(doc, path)
     scenario = scenario.model_copy(update={"duration_s": duration_s})
-    policy = make_policy("pearl", scenario.policy, scenario.cluster.trainer.nodes)
-    decisions: list[str] = []
-
-    def sink(record: Any) -> None:
-        if getattr(record, "type", None) == "decision":
-            decisions.append(str(record.pd_mode))
-
-    metrics = simulate(run_inputs(scenario, profile, seed), policy, sink)
-    ratios = [p / a for p, a in metrics.predictions if a > 0]
+    figures, records = held_run(scenario, profile, "pearl", seed)
+    decisions = [str(r.pd_mode) for r in records]
     return {
         "scenario": name,
         "variant": variant,
         "mode": mode,
         "seed": seed,
-        "traj_per_h": metrics.trajectories / (duration_s / 3600),
-        "median_predicted_over_actual": float(np.median(ratios)) if ratios else None,
+        **figures,
         "decisions": len(decisions),
         "disaggregated_share": (
             sum(d == "disaggregated" for d in decisions) / len(decisions) if decisions else None

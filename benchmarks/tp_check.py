@@ -22,15 +22,12 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+from held_run import held_run
 
 from pearl.cli.flags import integer, positive_seconds
 from pearl.core.limits import MAX_SEEDS
 from pearl.core.profile import RuntimeProfile
 from pearl.io.scenarios import load_scenario_and_profile
-from pearl.io.simulation import run_inputs
-from pearl.sim.baselines import make_policy
-from pearl.sim.runner import simulate
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,22 +52,14 @@ def run_one(
     scenario, profile = load_scenario_and_profile(path_of(name))
     scenario = scenario.model_copy(update={"duration_s": duration_s})
     profile = restricted(profile, scenario.cluster.rollout.gpu_type, tp)
-    policy = make_policy(policy_name, scenario.policy, scenario.cluster.trainer.nodes)
-    held: Counter[str] = Counter()
-
-    def sink(record: Any) -> None:
-        if getattr(record, "type", None) == "decision":
-            held[str(record.target)] += 1
-
-    metrics = simulate(run_inputs(scenario, profile, seed), policy, sink)
-    ratios = [p / a for p, a in metrics.predictions if a > 0]
+    figures, records = held_run(scenario, profile, policy_name, seed)
+    held = Counter(str(r.target) for r in records)
     return {
         "scenario": name,
         "tp": tp if tp is not None else "any",
         "policy": policy_name,
         "seed": seed,
-        "traj_per_h": metrics.trajectories / (duration_s / 3600),
-        "median_predicted_over_actual": float(np.median(ratios)) if ratios else None,
+        **figures,
         "held": held.most_common(3),
     }
 
