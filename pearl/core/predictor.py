@@ -248,8 +248,11 @@ def _predict_groups(w: PreparedWorkload, g: EngineGroups) -> list[Prediction]:
         (detail.bound + rows * num_codes).ravel(), seg_s.ravel(), num_configs * num_codes
     ).reshape(num_configs, num_codes)
     bound_code = np.where(critical_s >= fluid_s, -1, by_bound.argmax(axis=1))
-    positive = fluid_s[:, None] > 0
-    weights = np.where(positive, seg_s / np.where(positive, fluid_s[:, None], 1.0), uniform)
+    # Means over the segments' own time: a batch's fluid_s also counts progress past the
+    # last segment, which would shrink every mean below the range of its segments.
+    seg_total_s = seg_s.sum(axis=1, keepdims=True)
+    positive = seg_total_s > 0
+    weights = np.where(positive, seg_s / np.where(positive, seg_total_s, 1.0), uniform)
     per_segment = np.stack(
         [
             cyc.decode_batch,
