@@ -400,7 +400,6 @@ def test_groups_admitted_after_the_update_start_that_much_later() -> None:
     assert at(1, 40.0) == pytest.approx(first_listed)  # 2 turns alone beat 40 s of waiting
 
 
-
 @pytest.mark.parametrize("seed", range(3))
 def test_asking_for_every_group_keeps_the_whole_workloads_breakdown_means(seed: int) -> None:
     """The same segments, so the same means. (They were once divided by the batch's fluid
