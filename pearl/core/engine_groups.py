@@ -70,6 +70,7 @@ class EngineGroups:
     pf_b_s: F64  # cost per new token
     pf_c_s: F64  # attention cost per token pair
     pf_max_batched_tokens: F64
+    pf_kv_capacity_tokens: F64  # per instance
     dec_start: Index  # (C,) first decode row of each configuration
     dec_owner: Index  # (rows,) configuration of each decode row
     dec_count: F64  # instances
@@ -81,8 +82,7 @@ class EngineGroups:
     dec_max_num_seqs: F64
     dec_kv_capacity_tokens: F64  # per instance
     num_prefill_instances: F64  # (C, 1)
-    kv_prefill_pool_tokens: F64  # (C, 1) KV capacity of the whole prefill pool
-    kv_decode_pool_tokens: F64  # (C, 1) KV capacity of the whole decode pool
+    num_decode_instances: F64  # (C, 1)
     kv_bytes_per_token: float
     link_instance_bytes_per_s: F64  # (C, 1) one instance's KV link: min of the pools' means
     link_total_bytes_per_s: F64  # (C, 1) all KV links: min of the pools' sums
@@ -242,6 +242,7 @@ def _stack(rows: _Rows, units: F64, profile: RuntimeProfile) -> EngineGroups:
         pf_b_s=p[_B],
         pf_c_s=p[_C],
         pf_max_batched_tokens=p[_MBT],
+        pf_kv_capacity_tokens=p[_KV],
         dec_start=dec_start,
         dec_owner=dec_owner,
         dec_count=d[_COUNT],
@@ -253,8 +254,7 @@ def _stack(rows: _Rows, units: F64, profile: RuntimeProfile) -> EngineGroups:
         dec_max_num_seqs=d[_MAX_SEQS],
         dec_kv_capacity_tokens=d[_KV],
         num_prefill_instances=pf_instances,
-        kv_prefill_pool_tokens=per_config(pf_owner, p[_COUNT] * p[_KV]),
-        kv_decode_pool_tokens=per_config(dec_owner, d[_COUNT] * d[_KV]),
+        num_decode_instances=dec_instances,
         kv_bytes_per_token=float(profile.model.kv_bytes_per_token),
         link_instance_bytes_per_s=np.minimum(pf_link / pf_instances, dec_link / dec_instances),
         link_total_bytes_per_s=np.minimum(pf_link, dec_link),

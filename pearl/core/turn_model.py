@@ -135,11 +135,14 @@ def solve_cycle(
     n, o, ctx, kv_tokens = seg.num_live, turn.output_tokens, seg.ctx_tokens, seg.kv_tokens
     new, attention = _by_mode(g, seg.new_tokens), _by_mode(g, seg.attention_tokens)
 
-    # Prefill. Prefix reuse drops when the live contexts overflow the pool's KV cache;
-    # a miss re-prefills the whole context. b n + c((p + n)^2 - p^2) = n (b + c (2p + n)).
-    hit = np.minimum(1.0, g.kv_prefill_pool_tokens / seg.live_kv_tokens)
-    miss = 1.0 - hit
-    hit_r, miss_r, new_r = g.pf_spread(hit), g.pf_spread(miss), g.pf_spread(new)
+    # Prefill. Prefix reuse drops where an instance's share of the live contexts overflows
+    # its KV cache; a miss re-prefills the whole context. b n + c((p + n)^2 - p^2) =
+    # n (b + c (2p + n)).
+    hit_r = _hit_share(
+        g.pf_kv_capacity_tokens, g.pf_spread(seg.live_kv_tokens / g.num_prefill_instances)
+    )
+    hit = g.pf_sum(g.pf_count * hit_r) / g.num_prefill_instances
+    miss_r, new_r = 1.0 - hit_r, g.pf_spread(new)
     work_miss = g.pf_b_s * ctx + g.pf_c_s * seg.ctx_sq_tokens2
     work = hit_r * new_r * (g.pf_b_s + g.pf_c_s * g.pf_spread(attention)) + miss_r * work_miss
     per_batch = np.minimum(
@@ -170,7 +173,9 @@ def solve_cycle(
     t_decode = n * o / np.maximum(decode_rate, _TINY)
     t_prefill = n / cap_p
     if g.disaggregated.any():
-        hit_d = np.minimum(1.0, g.kv_decode_pool_tokens / seg.live_kv_tokens)
+        live_d = g.dec_spread(seg.live_kv_tokens / g.num_decode_instances)
+        hit_d = g.dec_sum(g.dec_count * _hit_share(g.dec_kv_capacity_tokens, live_d))
+        hit_d = hit_d / g.num_decode_instances
         transfer_bytes = g.kv_bytes_per_token * (hit_d * new + (1.0 - hit_d) * ctx)
         transfer_s = transfer_bytes / g.link_instance_bytes_per_s * g.disaggregated
         t_transfer = n * transfer_bytes / g.link_total_bytes_per_s * g.disaggregated
@@ -225,7 +230,7 @@ def solve_cycle(
     kv_limited = g.dec_sum(n_dec * fit) < g.dec_sum(n_dec * g.dec_max_num_seqs)
     pure_sat = np.maximum(tau_sat - inter * (b_max - 1.0), _TINY)
     pure_rate = g.dec_sum(slots / pure_sat)  # decode rate without prefill chunks
-    miss_share = miss * g.pf_sum(rate * work_miss) / g.num_prefill_instances
+    miss_share = g.pf_sum(miss_r * rate * work_miss) / g.num_prefill_instances
     capacity = np.where(
         t_decode >= np.maximum(t_prefill, t_transfer),
         np.where(kv_limited, KV_CAPACITY, np.where(pure_rate > 2 * decode_rate, PREFILL, DECODE)),
@@ -241,6 +246,15 @@ def solve_cycle(
             prefill_use=np.minimum(n / (cycle_s * cap_p), 1.0),
         ),
     )
+
+
+def _hit_share(kv_capacity_tokens: F64, live_kv_tokens: F64) -> F64:
+    """The share of turns whose prefix an instance still holds: all while its share of
+    the live contexts (``live_kv_tokens``, an even share: the router balances requests
+    over instances) fits its KV cache, else the part that fits. Per instance, not per
+    pool: a pool's spare KV on one instance keeps no prefix of another's trajectories."""
+    result: F64 = np.minimum(1.0, kv_capacity_tokens / np.maximum(live_kv_tokens, _TINY))
+    return result
 
 
 @dataclass(frozen=True)

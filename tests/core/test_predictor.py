@@ -251,6 +251,26 @@ def test_kv_capacity_evicting_prefixes_gives_superlinear_speedup() -> None:
     assert one.completion_s > 2.0 * two.completion_s
 
 
+def test_prefixes_overflow_each_instance_not_the_pool() -> None:
+    """A mixed pool of small-KV and large-KV instances: the router spreads trajectories
+    evenly over instances, so the small ones evict prefixes although the pool as a whole
+    holds every context. Each group hits as it would alone with its share of the
+    trajectories. (Once pooled: a 30B model on 32 one-GPU H20 instances beside 24 H800
+    TP4 ones read no misses where the simulator saw 42%, and pearl held H20 TP1 at 0.87 of
+    the throughput TP4 gave; benchmarks/tp_check.py.)"""
+    profile = make_profile(kv_capacity_tokens=200_000)  # tp 1: 200k tokens, tp 2: 400k
+    work, half = batch(400, turns=1), batch(200, turns=1)  # ~1.75M tokens live, and half
+    small, large = colocated(4, tp=1), colocated(4, tp=2)
+    mixed = PDConfig.of(
+        {InstanceSpec(Role.COLOCATED, "h100", 1): 4, InstanceSpec(Role.COLOCATED, "h100", 2): 4}
+    )
+    hit_small = predict(half, small, profile).breakdown.prefix_hit_rate
+    hit_large = predict(half, large, profile).breakdown.prefix_hit_rate
+    hit_mixed = predict(work, mixed, profile).breakdown.prefix_hit_rate
+    assert hit_small < 0.95 and hit_large == 1.0  # the pool's 2.4M tokens hold all 1.75M
+    assert hit_mixed == pytest.approx((hit_small + hit_large) / 2)
+
+
 def test_huge_contexts_make_the_kv_cache_the_bottleneck() -> None:
     profile = make_profile(kv_capacity_tokens=100_000)
     work = batch(256, turns=4, ctx=20_000, env_s=0.0)
