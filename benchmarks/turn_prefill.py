@@ -10,13 +10,18 @@ and a miss its whole context, at a prefix hit share per instance (``docs/predict
 methods for the run (``from_profile`` to name each instance's group, ``_admit`` to count
 what an admitted request still has to compute, ``_prefill_s`` and ``_single_step`` for
 the time of the steps that carry prefill chunks; multi-step decode runs carry none) and
-reports per group (role, GPU type, TP):
+the fleet's ``route`` (whether a turn's home still took turns), and reports per group
+(role, GPU type, TP):
 
 - ``turns``: admitted requests by kind: ``fresh`` (a trajectory's first prefill
-  anywhere), ``hit`` (a returning turn that computes at most half its prompt),
-  ``recompute`` (a returning turn that computes more: its prefix was evicted, or it
-  moved), ``kv_ready`` (a decode instance taking a prefill's KV);
-- ``prefill_tokens`` by the same kinds, and ``recompute_share`` of the returning turns;
+  anywhere), ``hit`` (a returning turn that computes at most half its prompt), and of
+  those that compute more, ``evicted`` (on the instance its trajectory's previous
+  admission was on: the prefix was evicted there), ``moved`` (elsewhere, routed away from
+  a home that still took turns: the routing rule moved it) and ``rehomed`` (elsewhere,
+  its home gone: the instance left or stopped accepting), ``kv_ready`` (a decode instance
+  taking a prefill's KV);
+- ``prefill_tokens`` by the same kinds, and ``recompute_share`` of the returning turns
+  (evicted, moved and rehomed);
 - ``prefill_s``: instance time in steps with prefill chunks, summed over the group, and
   ``stall_seq_s``: that time times the sequences decoding in those steps (what the
   prefills held the decodes up, colocated).
@@ -38,17 +43,21 @@ from tp_check import path_of, restricted
 
 from pearl.cli.flags import integer, positive_seconds
 from pearl.io.scenarios import load_scenario_and_profile
+from pearl.serving.requests import Request
 from pearl.sim.engine import EngineModel, EngineStepResult
 from pearl.sim.engine_base import Seq
+from pearl.sim.fleet import Fleet, Instance
 
 _groups: dict[int, str] = {}  # id(engine) -> group name
 _counts: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-_seen: set[str] = set()  # trajectories prefilled somewhere already
+_last_engine: dict[str, int] = {}  # trajectory -> id of the engine that last admitted it
+_home_gone: set[str] = set()  # trajectories whose last route found their home gone
 _last_prefill_s: dict[int, float] = {}
 
 
 def _instrument() -> None:
     from_profile = EngineModel.from_profile.__func__  # type: ignore[attr-defined]
+    route = Fleet.route
     admit, prefill_s, single_step = (
         EngineModel._admit,
         EngineModel._prefill_s,
@@ -66,11 +75,14 @@ def _instrument() -> None:
         traj_id = seq.request.traj_id
         if seq.kv_ready_tokens:
             kind = "kv_ready"
-        elif traj_id not in _seen:
+        elif traj_id not in _last_engine:
             kind = "fresh"
+        elif 2 * todo <= seq.num_tokens:
+            kind = "hit"
         else:
-            kind = "recompute" if 2 * todo > seq.num_tokens else "hit"
-        _seen.add(traj_id)
+            kind = "evicted" if _last_engine[traj_id] == id(self) else "moved"
+            kind = "rehomed" if kind == "moved" and traj_id in _home_gone else kind
+        _last_engine[traj_id] = id(self)
         counts = _counts[_groups.get(id(self), "?")]
         counts[f"turns.{kind}"] += 1
         counts[f"prefill_tokens.{kind}"] += todo
@@ -89,6 +101,15 @@ def _instrument() -> None:
             counts["stall_seq_s"] += duration_s * result.num_decode_seqs
         return result
 
+    def routed(self: Fleet, request: Request) -> Instance | None:
+        home = self.affinity.get(request.traj_id)
+        if home is not None and not self.accepts(home.instance):
+            _home_gone.add(request.traj_id)
+        else:
+            _home_gone.discard(request.traj_id)
+        return route(self, request)
+
+    Fleet.route = routed  # type: ignore[method-assign]
     EngineModel.from_profile = classmethod(named)  # type: ignore[method-assign,assignment]
     EngineModel._admit = counted_admit  # type: ignore[method-assign]
     EngineModel._prefill_s = timed_prefill  # type: ignore[method-assign]
@@ -104,9 +125,9 @@ def _report(counts: dict[str, float]) -> dict[str, Any]:
         else:
             out[key] = round(value, 1)
     turns = out["turns"]
-    returning = turns.get("hit", 0) + turns.get("recompute", 0)
-    if returning:
-        out["recompute_share"] = round(turns.get("recompute", 0) / returning, 3)
+    recomputed = sum(turns.get(kind, 0) for kind in ("evicted", "moved", "rehomed"))
+    if recomputed + turns.get("hit", 0):
+        out["recompute_share"] = round(recomputed / (recomputed + turns.get("hit", 0)), 3)
     return out
 
 
