@@ -38,7 +38,7 @@ class DecisionContext:
     cfg: PolicyConfig
     profile: RuntimeProfile
     now_s: float
-    _selections: dict[tuple[GpuBudget, bool], Selection] = field(default_factory=dict)
+    _selections: dict[tuple[GpuBudget, bool, str], Selection] = field(default_factory=dict)
     _predictions: dict[PDConfig, Prediction] = field(default_factory=dict)
     _pools: dict[tuple[frozenset[str], frozenset[str]], Pool] = field(default_factory=dict)
     _pools_state: ClusterState | None = None  # the state ``_pools`` were made from
@@ -103,20 +103,25 @@ class DecisionContext:
         pool: Pool,
         lending: bool = False,
         extra_nodes: Sequence[tuple[str, int]] = (),
+        modes: str | None = None,
     ) -> Selection:
         """Best configuration on a GPU pool, ranked by transition estimate plus prediction.
 
         ``lending``: reaching it starts with the trainer's offload. ``extra_nodes``:
         hypothetical (gpu_type, num_gpus) nodes, e.g. an elastic request not yet granted.
+        ``modes``: the PD modes to choose among, when not the configuration's.
         """
         budget = self.budget(pool, extra_nodes)
-        key = (budget, lending)
+        cfg = self.cfg.selection
+        if modes is not None and modes != cfg.modes:
+            cfg = cfg.model_copy(update={"modes": modes})
+        key = (budget, lending, cfg.modes)
         if key not in self._selections:
             inv = pool_inventory(self.state, pool, lending)
             self._selections[key] = select_pd(
                 self.prepared,
                 budget,
-                self.cfg.selection,
+                cfg,
                 extra=[self.current_config],
                 # The drain estimate needs the running configuration's prediction, which
                 # this call makes among its first batch: read it only when ranking.

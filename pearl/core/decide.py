@@ -18,6 +18,7 @@ gets an empty plan.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 from pearl.core.config import PolicyConfig
@@ -32,6 +33,7 @@ from pearl.core.policies.switching import SWITCH_RULES, SwitchInput
 from pearl.core.pool import Pool
 from pearl.core.profile import RuntimeProfile
 from pearl.core.registry import check_names, lookup
+from pearl.core.selection import Selection
 from pearl.core.state import AllocationKind, AllocationStatus, BorrowWindow, ClusterState
 
 Policy = Callable[[ClusterState, Observation, PolicyConfig, RuntimeProfile, float], Decision]
@@ -107,9 +109,13 @@ def _decide_with(
     pool = ctx.rollout_gpus(lent, elastic.releases)
     current_config = ctx.current_config
     current = ctx.current_prediction
-    selection = ctx.select(pool, lending=bool(lent - ctx.lent_gpu_ids()))
-    target = Target(selection.best.config, lent)
+    lending = bool(lent - ctx.lent_gpu_ids())
+    selection = ctx.select(pool, lending=lending)
     mandatory = _pool_changed(ctx.state, pool, lent != ctx.lent_gpu_ids(), elastic)
+    held_reason = ""
+    if mandatory:
+        selection, held_reason = _mode_held(ctx, selection, pool, lending)
+    target = Target(selection.best.config, lent)
     if mandatory or target.config != current_config:
         plan = plan_transition(ctx.state, target, profile, now_s, ctx.drain_estimate_s)
     else:  # what the planner would return, without its cost on every tick
@@ -135,7 +141,7 @@ def _decide_with(
     reasons = (
         f"elastic: {elastic.reason}",
         f"borrow: {borrow.kind.value}: {borrow.reason}",
-        f"select: {selection.reason}",
+        f"select: {selection.reason}" + (f"; {held_reason}" if held_reason else ""),
         f"switch: {'yes' if verdict.switch else 'no'}: {verdict.reason}",
         f"plan: {len(plan.steps)} steps, {plan.makespan_s:.1f} s; {plan.reason}",
     )
@@ -150,6 +156,33 @@ def _decide_with(
         current=current,
         selection=selection,
         state=ctx.state,
+    )
+
+
+def _mode_held(
+    ctx: DecisionContext, selection: Selection, pool: Pool, lending: bool
+) -> tuple[Selection, str]:
+    """A change of the GPU pool must be made, but a change of PD mode with it need not:
+    every engine that switches role loses the prefixes it caches and the requests it
+    runs, which the transition estimate does not count. So when the best configuration
+    is of another mode than the running one, the best of the running mode is taken
+    unless the other saves more than the switching rule's margins (``min_gain_s`` and
+    ``min_gain_fraction`` of the time, effective times: transitions included)."""
+    current = ctx.current_config
+    best = selection.best
+    if not current.instances or best.config.mode is current.mode:
+        return selection, ""
+    if ctx.cfg.selection.modes != "any":
+        return selection, ""
+    held = ctx.select(pool, lending=lending, modes=current.mode.value)
+    sw = ctx.cfg.switching
+    gain_s = held.best.effective_s - best.effective_s
+    needed_s = sw.min_gain_s + sw.min_gain_fraction * held.best.effective_s
+    if gain_s > needed_s or not math.isfinite(held.best.effective_s):
+        return selection, ""
+    return held, (
+        f"{current.mode.value} held: {best.config.label()} saves {gain_s:.1f} s <= "
+        f"{needed_s:.1f} s needed to change mode"
     )
 
 

@@ -5,7 +5,7 @@ import pytest
 
 from pearl.bench.synth import Layout, build_state, build_workload, settle
 from pearl.core.apply import apply_plan
-from pearl.core.config import BorrowingConfig, PolicyConfig, SwitchingConfig
+from pearl.core.config import BorrowingConfig, PolicyConfig, SelectionConfig, SwitchingConfig
 from pearl.core.context import DecisionContext
 from pearl.core.decide import decide
 from pearl.core.decision import BorrowKind, Decision
@@ -19,7 +19,7 @@ from pearl.core.observation import (
     TrainerStatus,
     WorkersLost,
 )
-from pearl.core.pd import config_of
+from pearl.core.pd import PDMode, config_of
 from pearl.core.plan import Action
 from pearl.core.policies.borrowing import _net_gain_s
 from pearl.core.profile import RuntimeProfile
@@ -260,6 +260,43 @@ def test_a_grant_serves_even_when_the_batch_ends_before_its_engines_start(
     assert d.elastic.releases == ()
     assert {s.action.value for s in d.plan.steps if s.node == "x1"} == {"start"}
     assert d.switch.switch and d.switch.mandatory
+
+
+@pytest.mark.parametrize("min_gain_s", [10.0, 1000.0])
+def test_a_grant_changes_the_pd_mode_only_when_the_gain_clears_the_switching_margins(
+    profile: RuntimeProfile, min_gain_s: float
+) -> None:
+    """A disaggregated fleet gets a node. The node must be put to work, but the mode need
+    not change with it: colocated is predicted 85 s faster, which clears the default
+    margins (10 s and 5%) and not 1,000 s. (A pool change once took any mode the
+    selection preferred: on a drawn Qwen3-8B variant pearl flipped to disaggregated and
+    back at grants and returns, every instance switching role, 71,916 traj/h against
+    81,176 with the mode held; docs/architecture.md.)"""
+    work = build_workload(np.random.default_rng(3), 512, prompt_tokens=6000, not_started=1536)
+    start = PolicyConfig(
+        selection=SelectionConfig(modes="disaggregated"), switching=SwitchingConfig(rule="always")
+    )
+    state = settle(
+        build_state(Layout(1, 1, 0)),
+        Observation(trainer=TRAINING, workload=work),
+        start,
+        profile,
+        0.0,
+    )
+    assert config_of(state).mode is PDMode.DISAGGREGATED
+    grant = AllocationGranted(
+        allocation_id="99",
+        end_by_s=5000.0,
+        nodes=(GrantedNode(node="x1", gpu_type="h100", num_gpus=8),),
+    )
+    obs = Observation(trainer=TRAINING, workload=work, events=(grant,))
+    cfg = PolicyConfig(switching=SwitchingConfig(min_gain_s=min_gain_s))
+    d = decide(state, obs, cfg, profile, 10.0)
+    assert d.switch.mandatory and any(s.node == "x1" for s in d.plan.steps)
+    held = min_gain_s > 100.0
+    mode = PDMode.DISAGGREGATED if held else PDMode.COLOCATED
+    assert d.plan.target.config.mode is mode
+    assert ("disaggregated held" in " ".join(d.reasons)) is held
 
 
 def test_a_grant_whose_gpus_gain_nothing_is_released_not_held_idle(

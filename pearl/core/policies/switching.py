@@ -3,7 +3,8 @@
 ``margin`` (the default) switches only when the predicted time saved exceeds the
 transition's makespan plus an absolute and a relative margin, and not sooner than the
 minimum dwell time after the previous switch (no flapping). A *mandatory* change (the
-GPU pool changed: a grant, a preemption, a lend or a return) is always made.
+GPU pool changed: a grant, a preemption, a lend or a return) is always made; a change
+of PD mode with it meets the margins first (``decide._mode_held``).
 
 Invariant: with the same inputs a rule returns the same verdict; ``never`` switches only
 when the change is mandatory and ``always`` whenever the target differs.
