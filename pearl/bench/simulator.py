@@ -4,7 +4,9 @@
 predictor's completion time of the work then unfinished (the in-flight trajectories plus
 those allowed to start) with the time the simulator took to finish that same set. The
 prediction is of the configuration running (or, when the decision switched, of the target
-plus the transition). ``mape`` is the mean of ``|predicted - actual| / actual``.
+plus the transition). ``mape`` is the mean of ``|predicted - actual| / actual``;
+``largest`` lists the pairs of the largest such errors (a decision a moment before its
+batch completes can carry a mean of relative errors alone).
 
 ``bench_sim``: one pearl run at the scale of ``gpus`` (a quarter training, half base
 rollout, a quarter elastic synthetic windows, the batch scaled with the GPUs) for
@@ -32,6 +34,9 @@ from pearl.sim.scenario import Scenario
 SCALE_SCENARIO = Path(__file__).resolve().parents[2] / "benchmarks/scenarios/qwen3-8b.yaml"
 
 
+_LARGEST = 3  # pairs of the largest errors reported
+
+
 def bench_predictor(
     scenario_path: str | Path, seeds: int = 1, duration_s: float | None = None
 ) -> dict[str, Any]:
@@ -45,8 +50,13 @@ def bench_predictor(
     predicted = np.array([p for p, _ in pairs])
     actual = np.array([a for _, a in pairs])
     ape = np.abs(predicted - actual) / actual
+    largest = [
+        {"predicted_s": float(predicted[i]), "actual_s": float(actual[i])}
+        for i in np.argsort(-ape, kind="stable")[:_LARGEST]
+    ]
     return {
         "mape": float(np.mean(ape)) if pairs else None,
+        "largest": largest,
         "n": len(pairs),
         "median_ape": float(np.median(ape)) if pairs else None,
         "mean_ratio_predicted_to_actual": float(np.mean(predicted / actual)) if pairs else None,

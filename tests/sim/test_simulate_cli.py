@@ -129,6 +129,10 @@ def test_bench_predictor_reports_the_error_of_every_decision(
     assert result["n"] > 0
     assert 0.0 <= result["mape"] < 10.0
     assert result["scenario"] == "tiny"
+    largest = result["largest"]
+    assert 1 <= len(largest) <= min(3, result["n"])
+    ape = [abs(x["predicted_s"] - x["actual_s"]) / x["actual_s"] for x in largest]
+    assert ape == sorted(ape, reverse=True) and ape[0] >= result["mape"]
 
 
 def test_bench_sim_reports_speed(capsys: pytest.CaptureFixture[str]) -> None:
