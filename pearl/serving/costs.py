@@ -25,6 +25,12 @@ of its tokens costs ``decode_step_s(n, K)`` (``decode_token_s``). ``turn_s`` is 
 the end of a turn: its prompt ready, then its expected output tokens at the per-token time
 of the instance that decodes it (itself when colocated, a decode instance's when prefill).
 
+**Stall.** The steps that carry a prompt's chunks carry the decode of the instance's batch
+too, and take the chunks' time on top: each of its ``B`` decoding sequences waits
+``prefill_time_s`` of the prompt alone (nothing decoding beside it). ``stall_s`` is that
+delay summed over them, the cost a prompt puts on the others there: a returning turn's
+few new tokens at its home, its whole context recomputed elsewhere.
+
 Floors (the routing rule's shortcut): ``fastest_prompt_s`` is the least ``prompt_ready_s``
 of a prompt with nothing cached on any of a set of engines, ``fastest_token_s`` the least
 per-token decode time of a sequence of that context on any of them (the cheaper of the
@@ -116,6 +122,18 @@ def prompt_ready_s(
         queue.decoding_seqs,
         queue.decoding_context_tokens,
     )
+
+
+def stall_s(queue: InstanceQueue, prompt_tokens: int, cached_prefix_tokens: int = 0) -> float:
+    """The delay a prompt sent there now adds to the instance's decoding batch, summed
+    over its sequences: each decodes in the steps that carry the prompt's chunks, which
+    take the chunks' time on top of the decode's (0 where nothing decodes)."""
+    if queue.decoding_seqs <= 0:
+        return 0.0
+    prefix = reusable_prefix_tokens(cached_prefix_tokens, prompt_tokens)
+    new = prompt_tokens - prefix
+    chunks_s = prefill_time_s(queue.engine, new, attention_pairs(new, prefix))
+    return queue.decoding_seqs * chunks_s
 
 
 def decode_token_s(queue: InstanceQueue, context_tokens: int) -> float:

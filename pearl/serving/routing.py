@@ -36,18 +36,23 @@ least-loaded decode instance.
 whole context of its trajectory's previous turn, which the instance that served that turn
 (its *home*) holds in its prefix cache; anywhere else that prefix is computed again. A
 first turn, or one whose home left or stopped accepting, goes to the least-loaded entry.
-Otherwise the turn stays home unless its expected time to finish there exceeds that on
-the least-loaded entry (the *alternative*):
+Otherwise the turn stays home unless what it costs there exceeds what it costs on the
+least-loaded entry (the *alternative*): its own expected time to finish, plus the delay
+its prompt adds to the sequences decoding there:
 
-    stay  <=>  T(home, prefix cached)  <=  T(alternative, nothing cached)
+    stay  <=>  T(home, prefix cached) + S(home, prefix cached)
+               <=  T(alternative, nothing cached) + S(alternative, nothing cached)
     T = wait + prefill(prompt beyond the cached prefix) + expected output * token time
+    S = sequences decoding there * prefill(prompt beyond the cached prefix) alone
 
 (``pearl.serving.costs``): ``wait`` is the prefill queued ahead of the turn beside the
 instance's decoding batch (``expected_wait_s``); ``prefill`` the turn's own prompt at that
 instance's coefficients; ``token time`` the decode step of the batch the turn joins there
 (everything the instance holds or will hold, and the turn), or, for a prefill instance,
 on the decode instance its KV goes to; the expected output is the mean of the turns
-finished so far (a router does not know a turn's length in advance). Ties stay home.
+finished so far (a router does not know a turn's length in advance); ``S`` is
+``costs.stall_s``: the steps carrying the prompt's chunks carry the decode of the
+instance's batch too, each of its sequences waiting for the chunks. Ties stay home.
 
 Read with equal engines: stay unless the queue ahead at home, plus the slower decode of
 a bigger batch there, costs more than recomputing the prefix elsewhere plus the queue
@@ -66,10 +71,18 @@ against the wait and the decode keeps turns home while their queue is short and 
 batch like the others, and moves them where an instance has room (``docs/simulator.md``,
 "Routing", has the figures).
 
-What the rule does not weigh: the recompute it causes delays the requests that queue
-behind it elsewhere (the rule is greedy, per turn); the prefix may have been evicted at
-home (the router counts what it sent); requests in flight to an instance count in its
-batch but not in its queue; the KV transfer of a disaggregated turn.
+``S`` is the part of the rule that is not greedy. Without it a recompute elsewhere was
+weighed by the turn's own time alone, while its thousands of tokens held up every
+sequence decoding there: on the Qwen3-8B paper scenario the routing rule moved a sixth
+of the returning turns, their recomputes more tokens than the hits computed
+(``benchmarks/turn_prefill.py``; ``docs/simulator.md``, "Routing", has the figures with
+and without it).
+
+What the rule does not weigh: the recompute delays the requests that queue behind it
+(they are admitted later); a turn's decode slows the batch it joins (weighing that too
+gave nothing on the four shipped scenarios); the prefix may have been evicted at home
+(the router counts what it sent); requests in flight to an instance count in its batch
+but not in its queue; the KV transfer of a disaggregated turn.
 
 Invariants: every returned id is of an accepting instance among the candidates, an entry
 for a turn and a decode instance for a handoff; no turn goes to a full instance; a turn
@@ -86,7 +99,13 @@ from typing import Protocol
 
 from pearl.core.profile import EngineProfile, WorkloadDefaults
 from pearl.core.roles import Role
-from pearl.serving.costs import fastest_prompt_s, fastest_token_s, prompt_ready_s, turn_s
+from pearl.serving.costs import (
+    fastest_prompt_s,
+    fastest_token_s,
+    prompt_ready_s,
+    stall_s,
+    turn_s,
+)
 from pearl.serving.views import InstanceLoad, InstanceQueue, full, load_rank
 
 
@@ -189,6 +208,7 @@ def route_turn(
         home_queue = queue_of(home.worker_id)
         ready_s = prompt_ready_s(home_queue, prompt_tokens, prefix_tokens)
         home_s = turn_s(ready_s, home_queue, prompt_tokens, output_tokens)
+        home_s += stall_s(home_queue, prompt_tokens, prefix_tokens)
         floor_s = fastest_prompt_s(engines, prompt_tokens)
         floor_s += output_tokens * fastest_token_s(engines, prompt_tokens)
         if home_s <= floor_s:
@@ -217,13 +237,15 @@ def _turn_s(
     queue_of: Callable[[str], InstanceQueue],
     decode_id: str | None,
 ) -> float:
-    """The expected turn on an entry instance: decoded there when colocated, on the
-    decode instance a prefill's KV goes to (``decode_id``) otherwise."""
+    """What a turn costs on an entry instance: its expected time, decoded there when
+    colocated, on the decode instance a prefill's KV goes to (``decode_id``) otherwise,
+    plus its prompt's stall of the batch decoding on the entry (``costs.stall_s``)."""
     queue = queue_of(entry.worker_id)
     ready_s = prompt_ready_s(queue, prompt_tokens, prefix_tokens)
+    stalled_s = stall_s(queue, prompt_tokens, prefix_tokens)
     if entry.role is Role.PREFILL and decode_id is not None:
-        return turn_s(ready_s, queue_of(decode_id), prompt_tokens, output_tokens)
-    return turn_s(ready_s, queue, prompt_tokens, output_tokens)
+        return stalled_s + turn_s(ready_s, queue_of(decode_id), prompt_tokens, output_tokens)
+    return stalled_s + turn_s(ready_s, queue, prompt_tokens, output_tokens)
 
 
 def route_decode(among: Candidates, order: LoadOrder | None = None) -> str | None:

@@ -15,7 +15,13 @@ from hypothesis import strategies as st
 from pearl.core.profile import EngineProfile
 from pearl.core.roles import Role
 from pearl.io.documents import load_profile
-from pearl.serving.costs import attention_pairs, expected_wait_s, prompt_ready_s
+from pearl.serving.costs import (
+    attention_pairs,
+    expected_wait_s,
+    prompt_ready_s,
+    stall_s,
+    turn_s,
+)
 from pearl.serving.routing import (
     candidates,
     kv_slots,
@@ -165,13 +171,39 @@ def test_a_decoding_batch_at_home_slows_its_queue_and_can_tip_the_turn() -> None
 
 
 def test_a_long_output_leaves_a_big_batch_for_an_idle_instance() -> None:
-    # 40 sequences of 8,000 tokens make every decode step ~15 ms slower than alone: 28
-    # tokens of it cost less than the recompute, 262 or 1,000 tokens more.
-    assert route(*turn(28), 28, decoding(40), idle()) == "h"
+    # 40 sequences of 8,000 tokens make every decode step ~15 ms slower than alone: 262
+    # or 1,000 tokens of it cost the turn more than the recompute
     assert route(*turn(262), 262, decoding(40), idle()) == "a"
     assert route(*turn(1000), 1000, decoding(40), idle()) == "a"
     # a batch of the same size elsewhere: no reason to leave
     assert route(*turn(1000), 1000, decoding(40), decoding(40)) == "h"
+
+
+def own_s(queue: InstanceQueue, prompt: int, prefix: int, output: float) -> float:
+    """A turn's own expected time on an instance (the rule without the stall term)."""
+    return turn_s(prompt_ready_s(queue, prompt, prefix), queue, prompt, output)
+
+
+def test_a_turn_weighs_the_stall_its_prompt_puts_on_the_sequences_decoding_there() -> None:
+    """A move's recompute of thousands of tokens holds up every sequence decoding where it
+    goes; a turn's few new tokens at home hold up those decoding at home. Weighed by its
+    own time alone the turn would take the other side each time."""
+    prompt, prefix = turn(28)
+    # home has six fresh prompts queued (4.5 s), the alternative decodes 8 sequences:
+    # the recompute there is quicker for the turn (1.3 s) but stalls 8 sequences ~1 s each
+    home, alt = fresh_prompts(6), decoding(8)
+    assert own_s(alt, prompt, 0, 28) < own_s(home, prompt, prefix, 28)
+    assert stall_s(alt, prompt) > own_s(home, prompt, prefix, 28)
+    assert route(prompt, prefix, 28, home, alt) == "h"
+    assert route(prompt, prefix, 28, home, idle()) == "a"  # nothing to stall there
+    # home decodes 40 sequences: 28 tokens in that batch cost the turn less than the
+    # recompute, but its new tokens there stall 40 sequences, while an idle one has none
+    home = decoding(40)
+    assert own_s(home, prompt, prefix, 28) < own_s(idle(), prompt, 0, 28)
+    assert route(prompt, prefix, 28, home, idle()) == "a"
+    assert route(prompt, prefix, 28, decoding(2), idle()) == "h"
+    assert stall_s(idle(), prompt) == 0.0
+    assert stall_s(home, prompt, prefix) < stall_s(home, prompt)
 
 
 def test_costs_are_each_instances_own_a_faster_engine_can_win_the_recompute() -> None:
