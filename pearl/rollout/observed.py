@@ -73,7 +73,9 @@ class TurnObserver:
 
     def turn_stats(self) -> TurnStats | None:
         """What the run observed so far: per-turn means once 32 turns have ended, and the
-        spreads once 32 tool calls and 16 trajectories have (the straggler estimate)."""
+        spreads once 32 tool calls and 16 trajectories have (the straggler estimate), with
+        the count of turns the output mean is of (the predictor weighs it against the
+        defaults by the turns still running: ``WorkloadSnapshot.turn_stats``)."""
         n = self.turns_done
         if n < MIN_OBSERVED:
             return None
@@ -92,6 +94,7 @@ class TurnObserver:
             / (self.sum_turns / self.num_finished)
             if spread
             else None,
+            turns_observed=n,
         )
 
     def mean_env_s(self, default_s: float) -> float:

@@ -174,6 +174,44 @@ def test_not_started_trajectories_use_the_profile_defaults() -> None:
     assert predict(fresh, colocated(1), profile) == predict(started, colocated(1), profile)
 
 
+def test_an_early_output_mean_is_weighed_against_the_defaults_by_the_turns_still_running() -> None:
+    """The turns ended early in a batch are its short ones: 32 turns of 16 tokens, while
+    2,000 run, say little of a workload whose turns average 256 (the profile's)."""
+    profile = constant_profile()
+    running = tuple(traj(i, 4) for i in range(2000))
+    in_tool = tuple(traj(2000 + i, 4, phase=TrajPhase.ENV, env_rest_s=1.0) for i in range(500))
+
+    def stats(observed: int | None) -> TurnStats:
+        return TurnStats(
+            output_tokens_per_turn=16,
+            observation_tokens_per_turn=OBS,
+            env_latency_s=E,
+            turns_observed=observed,
+        )
+
+    early = WorkloadSnapshot(trajectories=running + in_tool, stats=stats(32))
+    # the trajectories in a tool call have no turn running: they do not count
+    assert early.turn_stats(profile.workload).output_tokens_per_turn == pytest.approx(
+        (32 * 16 + 2000 * OUT) / 2032
+    )
+    # a count that dwarfs the running turns leaves the observed mean
+    late = WorkloadSnapshot(trajectories=running, stats=stats(2_000_000))
+    assert late.turn_stats(profile.workload).output_tokens_per_turn == pytest.approx(16, rel=0.02)
+    # without the count (a hand-made snapshot) or with nothing running, as observed
+    for unweighed in (
+        WorkloadSnapshot(trajectories=running, stats=stats(None)),
+        WorkloadSnapshot(trajectories=in_tool, stats=stats(32)),
+    ):
+        assert unweighed.turn_stats(profile.workload).output_tokens_per_turn == 16
+    # so the early batch is predicted near what the defaults give, not 16 tokens a turn
+    defaults = WorkloadSnapshot(trajectories=running + in_tool)
+    naive = WorkloadSnapshot(trajectories=running + in_tool, stats=stats(None))
+    config = colocated(8)
+    weighed_s = predict(early, config, profile).completion_s
+    assert weighed_s == pytest.approx(predict(defaults, config, profile).completion_s, rel=0.05)
+    assert predict(naive, config, profile).completion_s < 0.8 * weighed_s
+
+
 # --- infeasible configurations --------------------------------------------------------------
 
 

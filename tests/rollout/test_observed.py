@@ -54,6 +54,7 @@ def test_turn_stats_means_at_32_turns_spreads_once_32_steps_and_16_finished() ->
     assert stats.env_latency_sd_s == 1.0
     assert stats.observation_tokens_per_turn == 5.0
     assert stats.turns_cv == 0.5  # 1 and 3 turns: mean 2, sd 1
+    assert stats.turns_observed == 32  # what the output mean is of
 
 
 def test_no_tool_step_observed() -> None:
