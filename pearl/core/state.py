@@ -183,7 +183,11 @@ class ClusterState(Frozen):
         units the rollout pool is made of (a decision reads it many times)."""
         groups: dict[tuple[str, GpuSource], list[Gpu]] = {}
         for g in self.gpus:
-            groups.setdefault((g.allocation_id, g.source), []).append(g)
+            key = (g.allocation_id, g.source)
+            members = groups.get(key)
+            if members is None:
+                members = groups[key] = []
+            members.append(g)
         return {key: tuple(gpus) for key, gpus in groups.items()}
 
     @cached_property
@@ -239,7 +243,8 @@ class ClusterState(Frozen):
     @cached_property
     def base_train_gpu_ids(self) -> tuple[str, ...]:
         """The trainer's GPUs, in the order of the state."""
-        return tuple(g.gpu_id for g in self.gpus if g.source is GpuSource.BASE_TRAIN)
+        base_train = GpuSource.BASE_TRAIN
+        return tuple([g.gpu_id for g in self.gpus if g.source is base_train])
 
     @cached_property
     def lent_gpu_ids(self) -> frozenset[str]:
@@ -248,12 +253,14 @@ class ClusterState(Frozen):
     @cached_property
     def trainers(self) -> tuple[Worker, ...]:
         """The trainer workers (every worker that is not an engine), in the state's order."""
-        return tuple(w for w in self.workers if w.kind is not WorkerKind.ENGINE)
+        engine = WorkerKind.ENGINE
+        return tuple([w for w in self.workers if w.kind is not engine])
 
     @cached_property
     def active_engines(self) -> tuple[Worker, ...]:
         """The live engines (``live_engines``) not asleep, in the state's order."""
-        return tuple(w for w, _ in self.live_engines if w.role is not Role.IDLE)
+        idle = Role.IDLE
+        return tuple([w for w, _ in self.live_engines if w.role is not idle])
 
     @cached_property
     def allocations_hosting_active(self) -> frozenset[str]:
@@ -282,10 +289,13 @@ class ClusterState(Frozen):
     @cached_property
     def live_engines(self) -> tuple[tuple[Worker, str], ...]:
         """Every live engine with its GPU type."""
+        gpus, engine, live = self.gpu_by_id, WorkerKind.ENGINE, LIVE_PHASES
         return tuple(
-            (w, self.gpu_by_id[w.gpu_ids[0]].gpu_type)
-            for w in self.workers
-            if w.kind is WorkerKind.ENGINE and w.phase in LIVE_PHASES  # w.live
+            [
+                (w, gpus[w.gpu_ids[0]].gpu_type)
+                for w in self.workers
+                if w.kind is engine and w.phase in live  # w.live
+            ]
         )
 
     @cached_property
