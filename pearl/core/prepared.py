@@ -49,14 +49,13 @@ from pearl.core.next_batch import (
 from pearl.core.profile import RuntimeProfile
 from pearl.core.prompt_backlog import NO_FRESH_PROMPTS, FreshPrompts
 from pearl.core.turn_model import Segments, segments
-from pearl.core.workload import TrajPhase, TurnStats, WorkloadSnapshot
+from pearl.core.workload import PHASE_CODE, TrajPhase, TurnStats, WorkloadSnapshot
 
 F64 = NDArray[np.float64]
 Index = NDArray[np.intp]
-_PHASES = list(TrajPhase)
-_PREFILL = _PHASES.index(TrajPhase.PREFILL)
-_DECODE = _PHASES.index(TrajPhase.DECODE)
-_ENV = _PHASES.index(TrajPhase.ENV)
+_PREFILL = PHASE_CODE[TrajPhase.PREFILL]
+_DECODE = PHASE_CODE[TrajPhase.DECODE]
+_ENV = PHASE_CODE[TrajPhase.ENV]
 DEFAULT_MAX_SEGMENTS = 64
 
 

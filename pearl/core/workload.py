@@ -45,7 +45,7 @@ class TrajPhase(StrEnum):
     ENV = "env"  # waiting on the environment (tool call)
 
 
-_ENV_CODE = list(TrajPhase).index(TrajPhase.ENV)  # in ``TrajectoryArrays.phase``
+PHASE_CODE = {p: i for i, p in enumerate(TrajPhase)}  # ``TrajectoryArrays.phase`` values
 
 
 class TrajectoryProgress(Frozen):
@@ -221,7 +221,7 @@ class WorkloadSnapshot(Frozen):
         n = stats.turns_observed
         if n is None:
             return stats
-        running = int(np.count_nonzero(self._arrays_of_started.phase != _ENV_CODE))
+        running = int(np.count_nonzero(self._arrays_of_started.phase != PHASE_CODE[TrajPhase.ENV]))
         if running == 0:
             return stats
         observed, prior = stats.output_tokens_per_turn, defaults.output_tokens_per_turn
@@ -237,9 +237,8 @@ class WorkloadSnapshot(Frozen):
         out = np.empty(n)
         env = np.empty(n)
         fresh = np.empty(n, dtype=bool)
-        codes = {p: i for i, p in enumerate(TrajPhase)}
         for i, t in enumerate(self.trajectories):
-            phase[i] = codes[t.phase]
+            phase[i] = PHASE_CODE[t.phase]
             ctx[i] = t.context_tokens
             turns[i] = t.remaining_turns
             out[i] = t.turn_output_tokens
@@ -269,7 +268,7 @@ class WorkloadSnapshot(Frozen):
 
 @dataclass(frozen=True)
 class TrajectoryArrays:
-    """Columns of the unfinished trajectories; ``phase`` holds ``list(TrajPhase)`` indices."""
+    """Columns of the unfinished trajectories; ``phase`` holds ``PHASE_CODE`` values."""
 
     phase: NDArray[np.int8]
     context_tokens: NDArray[np.float64]
