@@ -205,10 +205,7 @@ def route_turn(
     home_s: float | None = None
     is_home = home is not None and home.worker_id in among.entry_ids and not full(home)
     if home is not None and is_home and home.role is Role.COLOCATED and engines:
-        home_queue = queue_of(home.worker_id)
-        ready_s = prompt_ready_s(home_queue, prompt_tokens, prefix_tokens)
-        home_s = turn_s(ready_s, home_queue, prompt_tokens, output_tokens)
-        home_s += stall_s(home_queue, prompt_tokens, prefix_tokens)
+        home_s = _turn_s(home, prefix_tokens, prompt_tokens, output_tokens, queue_of, None)
         floor_s = fastest_prompt_s(engines, prompt_tokens)
         floor_s += output_tokens * fastest_token_s(engines, prompt_tokens)
         if home_s <= floor_s:
