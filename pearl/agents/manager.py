@@ -346,7 +346,7 @@ class RolloutManager:
         self._finished_books(traj)
         del self.live[traj.traj_id]
         rules = self.config.rules
-        prompt = traj.turns[0].prompt_tokens if traj.turns else len(traj.token_ids)
+        prompt = _prompt_tokens(traj)
         self.log_record(
             TrajectoryFinished.model_construct(
                 t=now,
@@ -385,7 +385,7 @@ class RolloutManager:
 
     def _finished_books(self, traj: Trajectory) -> None:
         self.finished[traj.traj_id] = traj
-        self.observer.trajectory_finished(len(traj.turns))
+        self.observer.trajectory_finished(len(traj.turns), _prompt_tokens(traj))
 
     def _lose(self, traj_id: str) -> None:
         rec = self.ledger.trajectories[traj_id]
@@ -530,7 +530,7 @@ class RolloutManager:
             )
             for lv in self.live.values()
         ]
-        return snapshot(self.ledger, progress_of, self.observer.turn_stats(), self.ledger.version)
+        return snapshot(self.ledger, progress_of, self.observer, self.ledger.version)
 
     def _write_snapshot(self) -> None:
         write_text_atomic(self.run_dir / WORKLOAD, self.snapshot().model_dump_json() + "\n")
@@ -635,6 +635,11 @@ def _report_death(task: asyncio.Task[None]) -> None:
     """A background task of the manager that ended other than by being cancelled."""
     if not task.cancelled() and task.exception() is not None:
         log.error("rollout manager task died", exc_info=task.exception())
+
+
+def _prompt_tokens(traj: Trajectory) -> int:
+    """The tokens of the trajectory's prompt (all of it, when no turn ran)."""
+    return traj.turns[0].prompt_tokens if traj.turns else len(traj.token_ids)
 
 
 def _spans(versions: list[int]) -> list[tuple[int, int]]:

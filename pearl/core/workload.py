@@ -25,6 +25,7 @@ from pydantic import Field, model_validator
 from pearl.core.limits import (
     MAX_TOKENS,
     MAX_TRAJECTORIES,
+    MAX_TURNS,
     GroupSize,
     Id,
     NonNegFloat,
@@ -127,9 +128,19 @@ class WorkloadSnapshot(Frozen):
     not_started: TrajectoryCount = Field(
         0,
         description="Trajectories admitted but not begun yet (with next_batch: whole "
-        "groups of group_size, each trajectory from the profile's defaults).",
+        "groups of group_size), each of not_started_prompt_tokens and not_started_turns.",
     )
     stats: TurnStats | None = Field(None, description="Observed turn statistics, if any.")
+    not_started_prompt_tokens: Annotated[float, Field(gt=0, le=MAX_TOKENS)] | None = Field(
+        None,
+        description="Expected prompt tokens of a trajectory not begun yet (the finished "
+        "trajectories' mean); None: the profile's default.",
+    )
+    not_started_turns: Annotated[float, Field(ge=1, le=MAX_TURNS)] | None = Field(
+        None,
+        description="Expected turns of a trajectory not begun yet (the run's turn-count "
+        "distribution); None: the profile's default.",
+    )
     next_batch: NextBatch | None = Field(
         None,
         description="None: predict until every unfinished trajectory completes (in-order "
@@ -252,14 +263,12 @@ class WorkloadSnapshot(Frozen):
         k = self.not_started
         if k == 0:
             return started
+        prompt_tokens = self.not_started_prompt_tokens or defaults.prompt_tokens
+        turns = self.not_started_turns or defaults.turns_per_trajectory
         return TrajectoryArrays(
             phase=np.concatenate([started.phase, np.zeros(k, dtype=np.int8)]),
-            context_tokens=np.concatenate(
-                [started.context_tokens, np.full(k, defaults.prompt_tokens)]
-            ),
-            remaining_turns=np.concatenate(
-                [started.remaining_turns, np.full(k, defaults.turns_per_trajectory)]
-            ),
+            context_tokens=np.concatenate([started.context_tokens, np.full(k, prompt_tokens)]),
+            remaining_turns=np.concatenate([started.remaining_turns, np.full(k, turns)]),
             turn_output_tokens=np.concatenate([started.turn_output_tokens, np.zeros(k)]),
             env_remaining_s=np.concatenate([started.env_remaining_s, np.zeros(k)]),
             fresh=np.concatenate([started.fresh, np.ones(k, dtype=bool)]),

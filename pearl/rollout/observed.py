@@ -48,6 +48,7 @@ class TurnObserver:
     num_finished: int = 0  # trajectories whose last turn ended
     sum_turns: int = 0  # of finished trajectories
     sumsq_turns: int = 0
+    sum_prompt_tokens: int = 0  # of finished trajectories
     turn_counts: dict[int, int] = field(default_factory=dict)  # finished trajectories by turns
 
     def turn_ended(self, output_tokens: int) -> None:
@@ -65,9 +66,11 @@ class TurnObserver:
         self.env_latencies_s.append(latency_s)
         self.sum_observation_tokens += observation_tokens
 
-    def trajectory_finished(self, num_turns: int) -> None:
+    def trajectory_finished(self, num_turns: int, prompt_tokens: int) -> None:
+        """A trajectory's last turn ended: its turns and the tokens of its prompt."""
         self.num_finished += 1
         self.sum_turns += num_turns
+        self.sum_prompt_tokens += prompt_tokens
         self.sumsq_turns += num_turns**2
         self.turn_counts[num_turns] = self.turn_counts.get(num_turns, 0) + 1
 
@@ -96,6 +99,16 @@ class TurnObserver:
             else None,
             turns_observed=n,
         )
+
+    def mean_prompt_tokens(self) -> float | None:
+        """The finished trajectories' mean prompt once 16 have finished, else None."""
+        n = self.num_finished
+        return self.sum_prompt_tokens / n if n >= MIN_OBSERVED // 2 else None
+
+    def mean_turns(self) -> float | None:
+        """The finished trajectories' mean turn count once 16 have finished, else None."""
+        n = self.num_finished
+        return self.sum_turns / n if n >= MIN_OBSERVED // 2 else None
 
     def mean_env_s(self, default_s: float) -> float:
         """The observed mean tool latency, or ``default_s`` before any tool step."""
@@ -179,12 +192,18 @@ def progress(
 def snapshot(
     ledger: RolloutLedger,
     progress: Sequence[TrajectoryProgress],
-    stats: TurnStats | None,
+    observer: TurnObserver,
     version: int,
     update_left_s: float = 0.0,
+    not_started_turns: float | None = None,
 ) -> WorkloadSnapshot:
     """The running trajectories (``progress``, with their groups under first-completed
     batches) and the trajectories the ledger admits once the weights are ``version``.
+
+    The observer gives the turn statistics and what a trajectory not begun yet holds: the
+    finished ones' mean prompt and, unless ``not_started_turns`` says it (the turn-count
+    table the running trajectories' turns left come from), their mean turns; the profile's
+    defaults before 16 have finished.
 
     In-order batches ask for every unfinished trajectory. First-completed batches ask for
     the next batch (``NextBatch``): the groups it still needs when the trainer can take
@@ -192,17 +211,18 @@ def snapshot(
     ``RolloutLedger.groups_needed_at_take``), and what the running update will admit
     begins ``update_left_s`` from now."""
     rules = ledger.rules
+    common = {
+        "trajectories": tuple(progress),
+        "not_started": ledger.capacity(version),
+        "stats": observer.turn_stats(),
+        "not_started_prompt_tokens": observer.mean_prompt_tokens(),
+        "not_started_turns": not_started_turns or observer.mean_turns(),
+    }
     if rules.batching is Batching.IN_ORDER:
-        return WorkloadSnapshot(
-            trajectories=tuple(progress),
-            not_started=ledger.capacity(version),
-            stats=stats,
-        )
+        return WorkloadSnapshot(**common)
     needed = ledger.groups_needed_at_take()
     return WorkloadSnapshot(
-        trajectories=tuple(progress),
-        not_started=ledger.capacity(version),
-        stats=stats,
+        **common,
         next_batch=NextBatch(
             groups_needed=needed,
             group_size=rules.group_size,

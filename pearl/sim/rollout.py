@@ -188,7 +188,7 @@ class Rollout:
         """Its last turn ended; the batch record it completed, if any."""
         del self.in_flight[traj.traj_id]
         self.waiting[traj.traj_id] = traj
-        self.observer.trajectory_finished(traj.spec.num_turns)
+        self.observer.trajectory_finished(traj.spec.num_turns, traj.spec.prompt_tokens)
         if not self.in_order:
             return self.completed(now_s)
         batch_id = traj.index // self.rules.batch_trajectories
@@ -303,7 +303,9 @@ class Rollout:
             )
             for t in self.in_flight.values()
         ]
-        return observed.snapshot(self.ledger, progress, obs.turn_stats(), version, update_left_s)
+        return observed.snapshot(
+            self.ledger, progress, obs, version, update_left_s, not_started_turns=turns_left[0]
+        )
 
 
 def fitted(spec: TrajectorySpec, max_context_tokens: int) -> TrajectorySpec:

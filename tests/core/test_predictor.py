@@ -174,6 +174,19 @@ def test_not_started_trajectories_use_the_profile_defaults() -> None:
     assert predict(fresh, colocated(1), profile) == predict(started, colocated(1), profile)
 
 
+def test_not_started_trajectories_are_what_the_snapshot_says_they_are() -> None:
+    """Seen prompts and turn counts replace the profile's: a not-started trajectory of a
+    run whose trajectories have 2 turns of a 512-token prompt is predicted as one."""
+    profile = make_profile()
+    known = WorkloadSnapshot(not_started=1, not_started_prompt_tokens=512, not_started_turns=2)
+    queued = traj(0, 2, ctx=512).model_copy(update={"fresh": True})
+    started = WorkloadSnapshot(trajectories=(queued,))
+    assert predict(known, colocated(1), profile) == predict(started, colocated(1), profile)
+    assert predict(known, colocated(1), profile) != predict(
+        WorkloadSnapshot(not_started=1), colocated(1), profile
+    )
+
+
 def test_an_early_output_mean_is_weighed_against_the_defaults_by_the_turns_still_running() -> None:
     """The turns ended early in a batch are its short ones: 32 turns of 16 tokens, while
     2,000 run, say little of a workload whose turns average 256 (the profile's)."""

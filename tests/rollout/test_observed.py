@@ -20,7 +20,8 @@ from pearl.rollout.rules import Batching, RolloutRules
 
 def _observer(turns: int, env_steps: int, finished: dict[int, int]) -> TurnObserver:
     """Turns of 10 and 30 output tokens in turn; tool steps of 1 s and 3 s in turn, each
-    appending 5 tokens; ``finished``: trajectories finished, by their turn counts."""
+    appending 5 tokens; ``finished``: trajectories finished, by their turn counts, each of
+    a prompt of 100 tokens per turn."""
     obs = TurnObserver()
     for i in range(turns):
         obs.turn_ended(10 if i % 2 == 0 else 30)
@@ -28,7 +29,7 @@ def _observer(turns: int, env_steps: int, finished: dict[int, int]) -> TurnObser
         obs.env_step(1.0 if i % 2 == 0 else 3.0, 5)
     for num_turns, count in finished.items():
         for _ in range(count):
-            obs.trajectory_finished(num_turns)
+            obs.trajectory_finished(num_turns, 100 * num_turns)
     return obs
 
 
@@ -100,6 +101,19 @@ def test_turns_left_from_finished_trajectories_once_16() -> None:
     assert _observer(0, 0, {5: 4, 2: 12}).turns_left(default) == (2.75, 1.75, 3.0, 2.0, 1.0)
 
 
+def test_a_not_started_trajectory_is_of_the_finished_ones_mean_prompt_and_turns() -> None:
+    """The profile's defaults (None) until 16 have finished; then their means, the turns
+    unless the caller knows them from its turn-count table."""
+    ledger = RolloutLedger(RolloutRules(batch_trajectories=4, max_staleness_versions=0))
+    assert snapshot(ledger, [], _observer(0, 0, {1: 8, 3: 7}), version=0).not_started_turns is None
+    observer = _observer(0, 0, {1: 8, 3: 8})  # prompts of 100 and 300 tokens
+    assert observer.mean_turns() == 2.0 and observer.mean_prompt_tokens() == 200.0
+    seen = snapshot(ledger, [], observer, version=0)
+    assert seen.not_started_turns == 2.0 and seen.not_started_prompt_tokens == 200.0
+    told = snapshot(ledger, [], observer, version=0, not_started_turns=6.5)
+    assert told.not_started_turns == 6.5 and told.not_started_prompt_tokens == 200.0
+
+
 def _raises(_: float) -> float:
     raise AssertionError("tool_left asked outside the env phase")
 
@@ -142,12 +156,14 @@ def test_snapshot_of_a_small_ledger(batching: Batching) -> None:
         progress(t, TrajPhase.DECODE, 50, 5, 0, 0.0, "g1" if grouped else None, (2.0,), _raises)
         for t in ("t2", "t3")
     ]
-    stats = _observer(32, 0, {}).turn_stats()
+    observer = _observer(32, 0, {})
+    stats = observer.turn_stats()
 
-    now = snapshot(ledger, running, stats, version=0)
+    now = snapshot(ledger, running, observer, version=0)
     assert now.not_started == 0 and now.stats == stats
+    assert now.not_started_prompt_tokens is None and now.not_started_turns is None
     assert [t.traj_id for t in now.trajectories] == ["t2", "t3"]
-    soon = snapshot(ledger, running, stats, version=1, update_left_s=5.0)
+    soon = snapshot(ledger, running, observer, version=1, update_left_s=5.0)
     assert soon.not_started == 4  # (0 + 1 + 1) x 4 - (2 finished + 2 running)
     if grouped:
         assert [t.group_id for t in soon.trajectories] == ["g1", "g1"]
