@@ -81,6 +81,11 @@ class Instance:
         which the router does not read yet)."""
         return None
 
+    @property
+    def turn_s(self) -> float | None:
+        """Not known to the router (it has no workload means): loads compare as counts."""
+        return None
+
     # -- bookkeeping -------------------------------------------------------------------
 
     def sent(self, req: InFlight) -> None:

@@ -3,9 +3,9 @@
 ``routing.least_loaded`` scans every candidate at every route: fine for a handful of
 instances, the simulator's largest cost at hundreds (a 256-GPU run routes tens of
 thousands of turns over a hundred and more instances each). ``LoadIndex`` answers the same
-question from a heap of ``(load, worker_id)`` keys: the owner calls ``changed(view)``
-whenever a member's load may have changed (a request submitted, finished, aborted, or
-sent on its way to it), and ``least()`` pops the keys that no longer hold.
+question from a heap of ``(rank, worker_id)`` keys (``views.load_rank``): the owner
+calls ``changed(view)`` whenever a member's load may have changed (a request submitted,
+finished, aborted, or sent on its way to it), and ``least()`` pops the keys that no longer hold.
 ``CandidateLoads`` holds one index for the entries and one for the decode instances of a
 ``routing.Candidates``, and is what ``routing.route_turn`` and ``routing.route_decode``
 take as their ``order``; its changes are reported by appending to a list, applied at the
@@ -28,7 +28,7 @@ from pearl.serving.views import InstanceLoad, load_rank
 # (rank, worker_id, stamp, view): the key is (rank, worker_id), the rank the load after every
 # instance with room if full (``views.load_rank``); the stamp tells whether the key is still
 # the member's (it was the last pushed for it)
-_Key = tuple[int, str, int, InstanceLoad]
+_Key = tuple[float, str, int, InstanceLoad]
 
 
 class LoadIndex:
@@ -36,7 +36,7 @@ class LoadIndex:
 
     def __init__(self, members: Iterable[InstanceLoad]) -> None:
         self._views: dict[str, InstanceLoad] = {}
-        self._keys: dict[str, tuple[int, int]] = {}  # worker id -> (rank, stamp) pushed
+        self._keys: dict[str, tuple[float, int]] = {}  # worker id -> (rank, stamp) pushed
         self._stamp = 0
         self._heap: list[_Key] = []
         for view in members:
@@ -72,8 +72,8 @@ class LoadIndex:
             self._rebuild()
 
     def least(self) -> InstanceLoad | None:
-        """``routing.least_loaded`` of the members: the fewest requests among those with
-        room, ties to the smallest worker id; None for no member."""
+        """``routing.least_loaded`` of the members: the least ``views.load_rank``, ties to
+        the smallest worker id; None for no member."""
         heap, keys = self._heap, self._keys
         while heap:
             _, wid, stamp, view = heap[0]

@@ -10,8 +10,11 @@ colocated ones, and prefill ones while some decode instance accepts, to take the
 and the accepting decode instances. They change only when an instance joins, leaves or
 stops accepting, so a router keeps them between those changes.
 
-**Least loaded** (``least_loaded``): the fewest requests running, waiting and incoming;
-ties go to the smallest worker id, so a route is deterministic. The rules scan the
+**Least loaded** (``least_loaded``): the least time to serve the requests running,
+waiting and incoming and one turn more, the load weighed by the instance's busy time per
+turn of the workload's mean shape (``turn_work_s``; the count where that is not known);
+ties go to the smallest worker id, so a route is deterministic. Equal instances rank by
+their loads; of unequal ones, the faster takes more turns. The rules scan the
 candidates for it unless given a ``LoadOrder`` that keeps it as loads change (the
 simulator's fleet does: ``pearl.serving.load_index``).
 
@@ -165,14 +168,36 @@ def mean_context_tokens(defaults: WorkloadDefaults) -> float:
     return defaults.prompt_tokens + before * per_turn + defaults.output_tokens_per_turn / 2.0
 
 
+def turn_work_s(engine: EngineProfile, role: Role, defaults: WorkloadDefaults, kv: int) -> float:
+    """An instance's busy time per turn of the workload's mean shape (``InstanceLoad.turn_s``).
+
+    Prefill (colocated and prefill instances): a trajectory's prompt spread over its
+    turns, and each later turn's observation after its cached context
+    (``mean_context_tokens``). Decode (colocated and decode instances): the turn's output
+    at a full batch's step time per sequence, the batch ``max_num_seqs`` or the ``kv``
+    contexts its KV cache holds, whichever is fewer."""
+    ctx = mean_context_tokens(defaults)
+    turns = defaults.turns_per_trajectory
+    busy_s = 0.0
+    if role is not Role.DECODE:
+        prompt_s = float(engine.prefill.work_s(defaults.prompt_tokens))
+        later_s = float(engine.prefill.work_s(defaults.observation_tokens_per_turn, ctx))
+        busy_s += (prompt_s + (turns - 1.0) * later_s) / turns
+    if role is not Role.PREFILL:
+        batch = max(1, min(engine.max_num_seqs, kv))
+        step_s = float(engine.decode.step_s(batch, batch * ctx))
+        busy_s += defaults.output_tokens_per_turn * step_s / batch
+    return busy_s
+
+
 def least_loaded(loads: Iterable[InstanceLoad]) -> InstanceLoad | None:
-    """The fewest requests among the instances with room in their KV cache, then among
-    the crowded ones, then among the full ones (``views.load_rank``); ties to the smallest
-    worker id; None for no instance."""
+    """The least time to serve its load and one turn more among the instances with room
+    in their KV cache, then among the crowded ones, then among the full ones
+    (``views.load_rank``); ties to the smallest worker id; None for no instance."""
     return min(loads, key=_load_key, default=None)
 
 
-def _load_key(view: InstanceLoad) -> tuple[int, str]:
+def _load_key(view: InstanceLoad) -> tuple[float, str]:
     return load_rank(view), view.worker_id
 
 

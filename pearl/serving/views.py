@@ -62,6 +62,13 @@ class InstanceLoad(Protocol):
         None: not known."""
         ...
 
+    @property
+    def turn_s(self) -> float | None:
+        """Its busy time per turn of the workload's mean shape (``routing.turn_work_s``):
+        the least-loaded rule weighs its load by it; None: not known (loads compare as
+        counts)."""
+        ...
+
 
 def full(view: InstanceLoad) -> bool:
     """It holds as many requests as it runs at once: one more would only queue there."""
@@ -69,20 +76,29 @@ def full(view: InstanceLoad) -> bool:
     return slots is not None and view.load >= slots
 
 
-CROWDED_RANK = 1 << 40  # above any load: ranks after every instance with room
-FULL_RANK = 1 << 41  # and after every crowded one
+CROWDED_RANK = 1e9  # above any instance's load in seconds: ranks after every one with room
+FULL_RANK = 2e9  # and after every crowded one
 
 
-def load_rank(view: InstanceLoad) -> int:
-    """The least-loaded rule's key: the load, after every instance with room in its KV
-    cache if its trajectories fill it (*crowded*: a turn more evicts a prefix one of them
-    comes back to), and after every crowded one if full."""
+def load_rank(view: InstanceLoad) -> float:
+    """The least-loaded rule's key: the time the instance needs for what it holds and one
+    turn more, ``(load + 1) * turn_s`` (the load itself without ``turn_s``), after every
+    instance with room in its KV cache if its trajectories fill it (*crowded*: a turn more
+    evicts a prefix one of them comes back to), and after every crowded one if full.
+
+    Weighed by ``turn_s``, equal instances rank by their loads, and an instance that
+    serves a turn in a fifth of the time takes five times the turns of a slow one (an H20
+    prefills the shipped workload's prompts three times slower than an H800 and decodes
+    as fast: counted alone, a fleet of both loaded the H20s as much as H800 instances of
+    four GPUs each; ``docs/simulator.md``, "Routing")."""
     load = view.load
+    turn_s = view.turn_s
+    rank = (load + 1) * turn_s if turn_s is not None else float(load)
     slots = view.slots
     if slots is not None and load >= slots:
-        return load + FULL_RANK
+        return rank + FULL_RANK
     kv_slots = view.kv_slots
-    return load + CROWDED_RANK if kv_slots is not None and load >= kv_slots else load
+    return rank + CROWDED_RANK if kv_slots is not None and load >= kv_slots else rank
 
 
 @dataclass(frozen=True, slots=True)

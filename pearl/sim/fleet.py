@@ -46,7 +46,7 @@ import math
 from dataclasses import dataclass, field
 from functools import partial
 
-from pearl.core.profile import EngineProfile, RuntimeProfile
+from pearl.core.profile import EngineProfile, RuntimeProfile, WorkloadDefaults
 from pearl.core.roles import Role
 from pearl.serving import routing
 from pearl.serving.load_index import CandidateLoads
@@ -69,6 +69,7 @@ class Instance:
     weights_version: int
     slots: int  # requests it runs at once (``InstanceLoad.slots``: its max_num_seqs)
     kv_slots: int  # the workload's contexts its KV holds (``InstanceLoad.kv_slots``)
+    turn_s: float  # busy time per turn of the workload's mean shape (``InstanceLoad.turn_s``)
     busy_until_s: float | None = None  # end of the step in flight
     step_started_s: float = 0.0
     result: EngineStepResult | None = None
@@ -103,17 +104,15 @@ class Fleet:
         self,
         profile: RuntimeProfile,
         engine_model: EngineModelName = "step",
-        context_tokens: float | None = None,
+        workload: WorkloadDefaults | None = None,
     ) -> None:
         self.profile = profile
         self.engine_model: EngineModelName = engine_model
-        # a typical context, for each instance's kv_slots (routing.kv_slots): the workload's
-        # (routing.mean_context_tokens), the profile's defaults unless given
-        self.context_tokens = (
-            context_tokens
-            if context_tokens is not None
-            else routing.mean_context_tokens(profile.workload)
-        )
+        # the workload's mean shape (the profile's defaults unless given), for each
+        # instance's kv_slots (a typical context: routing.kv_slots) and turn_s
+        # (routing.turn_work_s)
+        self.workload = workload if workload is not None else profile.workload
+        self.context_tokens = routing.mean_context_tokens(self.workload)
         self.instances: dict[str, Instance] = {}
         self.affinity: dict[str, Home] = {}  # traj id -> instance of its last turn
         self.parked: list[Request] = []
@@ -133,7 +132,8 @@ class Fleet:
         engine = make_engine(self.engine_model, role, self.profile, gpu_type, tp)
         kv = routing.kv_slots(self.profile.kv_capacity_tokens(gpu_type, tp), self.context_tokens)
         slots = engine.engine.max_num_seqs
-        inst = Instance(worker_id, role, gpu_type, node, tp, engine, version, slots, kv)
+        turn_s = routing.turn_work_s(engine.engine, role, self.workload, kv)
+        inst = Instance(worker_id, role, gpu_type, node, tp, engine, version, slots, kv, turn_s)
         engine.on_requests_changed = partial(self._load_changes.append, inst)
         self.instances[worker_id] = inst
         self._engines = self._candidates = self._loads = None

@@ -70,7 +70,6 @@ from pearl.runlog.schema import (
     TrajectoryFinished,
 )
 from pearl.serving.requests import PartialOutput, Request
-from pearl.serving.routing import mean_context_tokens
 from pearl.serving.views import full
 from pearl.sim.allocations import ElasticAllocations
 from pearl.sim.availability import Window
@@ -162,9 +161,7 @@ class Simulation:
         )
         self.elastic = ElasticAllocations(slurm, self.take_off_nodes, self.log)
         self.loop: EventLoop[SimEvent] = EventLoop()
-        self.fleet = Fleet(
-            self.profile, sc.engine_model, mean_context_tokens(means(inputs.trajectory_model))
-        )
+        self.fleet = Fleet(self.profile, sc.engine_model, means(inputs.trajectory_model))
         self.state: ClusterState = initial_state(sc)
         self.logged_state: ClusterState | None = None
         self.version = sc.rollout.initial_policy_version

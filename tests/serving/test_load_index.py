@@ -24,6 +24,7 @@ class Load:
     load: int = 0
     slots: int | None = None
     kv_slots: int | None = None
+    turn_s: float | None = None
 
 
 @settings(max_examples=200, deadline=None)
@@ -32,9 +33,16 @@ class Load:
     st.lists(st.tuples(st.integers(0, 11), st.integers(-3, 3)), max_size=200),
 )
 def test_the_index_is_the_scan_after_every_change(n: int, changes: list[tuple[int, int]]) -> None:
-    # some with few slots (full ones rank after those with room), some with none known
+    # some with few slots (full ones rank after those with room), some with none known;
+    # busy times per turn of three kinds, equal ones among them (ties)
     views = [
-        Load(f"w{i:02d}", load=i % 3, slots=(i % 4) + 2 if i % 3 else None, kv_slots=i % 3 + 1)
+        Load(
+            f"w{i:02d}",
+            load=i % 3,
+            slots=(i % 4) + 2 if i % 3 else None,
+            kv_slots=i % 3 + 1,
+            turn_s=(0.2, 0.5, 1.0)[i % 3],
+        )
         for i in range(n)
     ]
     index = LoadIndex(views)

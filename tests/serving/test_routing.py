@@ -29,6 +29,7 @@ from pearl.serving.routing import (
     mean_context_tokens,
     route_decode,
     route_turn,
+    turn_work_s,
 )
 from pearl.serving.views import InstanceQueue, full
 
@@ -46,6 +47,7 @@ class Load:
     load: int = 0
     slots: int | None = None
     kv_slots: int | None = None
+    turn_s: float | None = None
 
 
 @cache
@@ -288,6 +290,43 @@ def test_least_loaded_breaks_ties_by_worker_id_whatever_the_order() -> None:
         best = least_loaded(order)
         assert best is not None and best.worker_id == "w1"
     assert least_loaded([]) is None
+
+
+def test_least_loaded_weighs_each_load_by_the_instance_busy_time_per_turn() -> None:
+    """A five times faster instance takes turns until what it holds, and the turn, take as
+    long as a turn on the slow one; without the times, loads compare as counts."""
+
+    def best(*views: Load) -> str | None:
+        view = least_loaded(views)
+        return view.worker_id if view is not None else None
+
+    slow = Load("a", load=0, turn_s=1.0)
+    assert best(slow, Load("b", load=3, turn_s=0.2)) == "b"  # 4 x 0.2 s < 1 x 1 s
+    assert best(slow, Load("b", load=5, turn_s=0.2)) == "a"  # 6 x 0.2 s > 1 s
+    assert best(Load("a"), Load("b", load=3)) == "a"
+    # crowded and full still rank after every instance with room, however fast
+    assert best(Load("a", load=50, turn_s=1.0), Load("b", load=1, kv_slots=1, turn_s=0.01)) == "a"
+    assert best(Load("a", load=50, turn_s=1.0), Load("b", load=1, slots=1, turn_s=0.01)) == "a"
+
+
+def test_an_h800_of_four_gpus_turns_the_shipped_workload_faster_than_an_h20() -> None:
+    """The shipped workload's turn is mostly prefill, three times slower on an H20 than
+    on an H800 per GPU, while their decode is alike: counted alone, an instance of four
+    H800s took as many turns as one H20 (``docs/simulator.md``, "Routing")."""
+    workload = load_profile("qwen3-8b").workload.model_copy(
+        update={"prompt_tokens": PROMPT_TOKENS, "observation_tokens_per_turn": OBSERVATION_TOKENS}
+    )
+
+    def busy_s(gpu_type: str, tp: int, role: Role = Role.COLOCATED) -> float:
+        return turn_work_s(engine(gpu_type, tp), role, workload, kv=10_000)
+
+    assert busy_s("h20", 1) > 4 * busy_s("h800", 4)
+    assert busy_s("h20", 1) > 1.5 * busy_s("h800", 1)
+    for gpu_type, tp in (("h20", 1), ("h800", 4)):
+        parts = busy_s(gpu_type, tp, Role.PREFILL) + busy_s(gpu_type, tp, Role.DECODE)
+        assert busy_s(gpu_type, tp) == pytest.approx(parts)
+    # the decode batch is the slots the KV cache holds when they are fewer
+    assert turn_work_s(engine(), Role.DECODE, workload, kv=4) > busy_s("h20", 1, Role.DECODE)
 
 
 def test_handoffs_go_to_the_least_loaded_accepting_decode_instance() -> None:

@@ -130,3 +130,22 @@ def test_the_load_index_is_the_scan_at_every_route_of_a_run(
     F.run(F.busy_inputs(0, F.RULES[1]), policy)
     assert checked[0] > 100
     assert policy == "pearl" or checked[1] > 100
+
+
+def test_first_turns_go_to_instances_in_proportion_to_their_speed() -> None:
+    """Four H20 instances and one of four H800s: the fleet weighs each instance's load by
+    its busy time per turn (``routing.turn_work_s``), so the H800 instance takes several
+    times an H20's share of new trajectories (by counts alone it took a fifth)."""
+    f = Fleet(profile())
+    for i in range(4):
+        f.add(f"h20-{i}", Role.COLOCATED, "h20", "n0", 1, 0)
+    big = f.add("h800-0", Role.COLOCATED, "h800", "n1", 4, 0)
+    for i in range(100):
+        inst = f.route(Request(f"t{i}.0.1", f"t{i}", 1749, 194))
+        assert inst is not None
+        f.expect(inst, f"t{i}.0.1", 1.0)
+    small = [f.instances[f"h20-{i}"].load for i in range(4)]
+    assert sum(small) + big.load == 100
+    assert big.load > 3 * max(small)
+    ratio = f.instances["h20-0"].turn_s / big.turn_s
+    assert big.load == pytest.approx(ratio * small[0], rel=0.15)
