@@ -25,9 +25,10 @@ from collections.abc import Iterable
 
 from pearl.serving.views import InstanceLoad, load_rank
 
-# (rank, worker_id, stamp, view): the key is (rank, worker_id), the rank the load after every
-# instance with room if full (``views.load_rank``); the stamp tells whether the key is still
-# the member's (it was the last pushed for it)
+# (rank, worker_id, stamp, view): the key is (rank, worker_id), the rank ``views.load_rank``
+# (the load weighed by the instance's busy time per turn, after every instance with room if
+# crowded or full); the stamp tells whether the key is still the member's (it was the last
+# pushed for it)
 _Key = tuple[float, str, int, InstanceLoad]
 
 

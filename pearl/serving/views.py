@@ -87,10 +87,10 @@ def load_rank(view: InstanceLoad) -> float:
     evicts a prefix one of them comes back to), and after every crowded one if full.
 
     Weighed by ``turn_s``, equal instances rank by their loads, and an instance that
-    serves a turn in a fifth of the time takes five times the turns of a slow one (an H20
-    prefills the shipped workload's prompts three times slower than an H800 and decodes
-    as fast: counted alone, a fleet of both loaded the H20s as much as H800 instances of
-    four GPUs each; ``docs/simulator.md``, "Routing")."""
+    serves a turn in a fifth of the time takes about five times the turns of a slow one
+    (an H20 prefills the shipped workload's prompts three times slower than an H800 and
+    decodes as fast: counted alone, a fleet of both loaded the H20s as much as H800
+    instances of four GPUs each; ``docs/simulator.md``, "Unequal instances")."""
     load = view.load
     turn_s = view.turn_s
     rank = (load + 1) * turn_s if turn_s is not None else float(load)
