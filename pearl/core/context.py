@@ -20,7 +20,7 @@ from pearl.core.pd import GpuBudget, PDConfig, config_of
 from pearl.core.pool import Pool, node_counts, rollout_pool
 from pearl.core.predictor import Prediction, PreparedWorkload, predict_prepared, prepare
 from pearl.core.profile import RuntimeProfile
-from pearl.core.selection import Selection, select_pd
+from pearl.core.selection import Reached, Selection, select_pd
 from pearl.core.state import ClusterState, Gpu
 from pearl.core.transition_cost import (
     Inventory,
@@ -158,14 +158,15 @@ class _Reaching:
     ctx: DecisionContext
     inv: Inventory
 
-    def __call__(self, config: PDConfig, completion_s: float) -> tuple[float, float]:
+    def __call__(self, config: PDConfig, completion_s: float) -> Reached:
         ctx = self.ctx
         transition_s = estimate_transition_s(
             self.inv, config, ctx.profile.costs, ctx.drain_estimate_s
         )
         kept = kept_gpu_share(self.inv, config, ctx.current_config.num_gpus)
         current_s = ctx.current_prediction.completion_s
-        return transition_s, effective_completion_s(transition_s, kept, completion_s, current_s)
+        effective_s = effective_completion_s(transition_s, kept, completion_s, current_s)
+        return Reached(transition_s, kept, effective_s)
 
     @property
     def floor_s(self) -> float:

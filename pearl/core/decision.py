@@ -13,6 +13,7 @@ from pearl.core.plan import TransitionPlan
 from pearl.core.predictor import Prediction
 from pearl.core.selection import Selection
 from pearl.core.state import ClusterState
+from pearl.core.transition_cost import effective_completion_s
 
 
 class BorrowKind(StrEnum):
@@ -74,12 +75,17 @@ class Decision:
     @property
     def predicted_s(self) -> float:
         """The batch left, predicted to complete this long from the decision: under the
-        configuration running now, or under the target once its plan has run (the plan's
-        makespan, then the target's completion). What the simulator and a run score the
-        predictor on (``batch_completed.predicted_s``)."""
+        configuration running now, or, with a plan, as the selection ranked the target:
+        the engines it keeps serve through the plan's makespan, the target the rest
+        (``transition_cost.effective_completion_s``; the makespan then the target's whole
+        completion where it keeps none). What the simulator and a run score the predictor
+        on (``batch_completed.predicted_s``)."""
         if self.plan.empty:
             return self.current.completion_s
-        return self.selection.best.completion_s + self.plan.makespan_s
+        best = self.selection.best
+        return effective_completion_s(
+            self.plan.makespan_s, best.kept_share, best.completion_s, self.current.completion_s
+        )
 
     def summary(self) -> str:
         """A few lines for people: what was decided and why."""

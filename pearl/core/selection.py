@@ -37,7 +37,7 @@ import math
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from pearl.core.config import SelectionConfig
 from pearl.core.pd import GpuBudget, InstanceSpec, PDConfig, fits_budget
@@ -51,12 +51,22 @@ _REFINE_POINTS = 17  # per bracket and round, even
 _PAIRS_REFINED = 2
 
 
-class Reach(Protocol):
-    """How reaching a configuration counts: ``reach(config, completion_s)`` is its
-    (transition_s, effective completion_s); no candidate's effective completion is below
-    the smaller of its own completion and ``floor_s`` (read once predictions are made)."""
+class Reached(NamedTuple):
+    """What reaching a configuration costs: its transition, the share of the running
+    configuration's GPUs kept serving through it, and its completion with both counted
+    (``transition_cost.effective_completion_s``)."""
 
-    def __call__(self, config: PDConfig, completion_s: float) -> tuple[float, float]: ...
+    transition_s: float
+    kept_share: float
+    effective_s: float
+
+
+class Reach(Protocol):
+    """How reaching a configuration counts: ``reach(config, completion_s)``; no
+    candidate's effective completion is below the smaller of its own completion and
+    ``floor_s`` (read once predictions are made)."""
+
+    def __call__(self, config: PDConfig, completion_s: float) -> Reached: ...
 
     @property
     def floor_s(self) -> float: ...
@@ -67,8 +77,8 @@ class _Instantly:
 
     floor_s = math.inf
 
-    def __call__(self, config: PDConfig, completion_s: float) -> tuple[float, float]:
-        return 0.0, completion_s
+    def __call__(self, config: PDConfig, completion_s: float) -> Reached:
+        return Reached(0.0, 0.0, completion_s)
 
 
 @dataclass(frozen=True)
@@ -76,6 +86,7 @@ class Candidate:
     config: PDConfig
     prediction: Prediction
     transition_s: float  # estimated time until the configuration serves
+    kept_share: float  # of the running configuration's GPUs, serving through the transition
     effective_s: float  # completion from now, the transition included: what ranks
 
     @property
@@ -171,10 +182,10 @@ def _rank(evaluated: dict[PDConfig, Prediction], reach: Reach, top_k: int) -> tu
             floor_s = reach.floor_s if floor_s is None else floor_s
             if min(completion_s, floor_s) > kth_s:
                 break
-        transition_s, effective_s = (
-            reach(config, completion_s) if completion_s < math.inf else (0.0, math.inf)
+        reached = (
+            reach(config, completion_s) if completion_s < math.inf else Reached(0, 0, math.inf)
         )
-        scored.append(Candidate(config, prediction, transition_s, effective_s))
+        scored.append(Candidate(config, prediction, *reached))
     # Equal effective times (the batch ends on the kept engines before an addition
     # serves): the faster configuration, which serves the next batch; then fewer GPUs.
     scored.sort(key=lambda c: (c.effective_s, c.completion_s, c.config.num_gpus, c.config))
