@@ -32,7 +32,7 @@ from pearl.io.traces import fit_trajectory_model_from, helios_windows
 from pearl.sim.availability import Window, clip_windows, synthetic_windows
 from pearl.sim.runner import RunInputs
 from pearl.sim.scenario import RolloutSection, Scenario, TraceElastic
-from pearl.sim.trajectories import TrajectoryModel, fit_trajectory_model, means, scaled
+from pearl.sim.trajectories import TrajectoryModel, fit_trajectory_model, scaled
 
 WINDOW_SEED_SALT = 0x5EED  # windows draw from their own stream, apart from the run's
 # Synthetic windows are drawn from this long before the run starts, so a run begins in the
@@ -95,18 +95,6 @@ def windows_for(scenario: Scenario, seed: int) -> tuple[Window, ...]:
     return ()
 
 
-def calibrated_for(profile: RuntimeProfile, model: TrajectoryModel) -> RuntimeProfile:
-    """The profile with the workload's means as its prior (``RuntimeProfile.workload``, what
-    a coordinator expects of trajectories before it has seen any finish): a simulated run
-    is the run of a user who calibrated the profile for the workload they train on, as
-    ``benchmarks/calibrate_workload.py`` did the shipped profiles for the TraceLab replay.
-    Left at the shipped profile's, the scenarios' first batch was predicted from a prompt
-    three times shorter and tool calls thirteen times faster than the scenario's own (5,330
-    tokens and 4.4 s: the shipped workload's pooled data), e.g. 23.8 s for the first batch
-    of Qwen3-30B-A3B that its engines took 98.5 s to finish."""
-    return profile.model_copy(update={"workload": means(model)})
-
-
 def run_inputs(
     scenario: Scenario,
     profile: RuntimeProfile,
@@ -116,7 +104,7 @@ def run_inputs(
     model = scaled(trajectory_model(scenario.rollout), **scenario.rollout.workload.kwargs())
     return RunInputs(
         scenario=scenario,
-        profile=calibrated_for(profile, model),
+        profile=profile,
         trajectory_model=model,
         windows=windows_for(scenario, seed),
         seed=seed,
