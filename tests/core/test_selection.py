@@ -11,7 +11,7 @@ from pearl.core.pd import GpuBudget, PDConfig, PDMode, fits
 from pearl.core.predictor import prepare
 from pearl.core.profile import RuntimeProfile
 from pearl.core.roles import Role
-from pearl.core.selection import prefill_advantage, select_pd
+from pearl.core.selection import Reached, prefill_advantage, select_pd
 from pearl.core.transition_cost import effective_completion_s
 from pearl.core.workload import WorkloadSnapshot
 from pearl.io.documents import load_profile
@@ -133,10 +133,11 @@ class _Scrambled:
     def __init__(self, floor_s: float) -> None:
         self.floor_s = floor_s
 
-    def __call__(self, config: PDConfig, completion_s: float) -> tuple[float, float]:
+    def __call__(self, config: PDConfig, completion_s: float) -> Reached:
         transition_s = float(hash(config) % 97)
         kept = (hash(config) % 5) / 4
-        return transition_s, effective_completion_s(transition_s, kept, completion_s, self.floor_s)
+        effective_s = effective_completion_s(transition_s, kept, completion_s, self.floor_s)
+        return Reached(transition_s, kept, effective_s)
 
 
 @pytest.mark.parametrize("floor_s", [1.0, 30.0, 80.0, math.inf])
