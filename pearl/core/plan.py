@@ -45,6 +45,9 @@ class PlanStep:
     duration_s: float
     start_s: float  # earliest start, relative to the start of the plan
     reason: str
+    # the GPU type of an engine a step brings into serving (start, wake), which the router
+    # weighs its load by; "" for the other steps (not needed, not looked up)
+    gpu_type: str = ""
 
     @property
     def end_s(self) -> float:

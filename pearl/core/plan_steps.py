@@ -118,6 +118,7 @@ class _Steps:
         deps: Sequence[int],
         duration_s: float,
         reason: str,
+        gpu_type: str = "",
     ) -> int:
         if not deps:
             ordered: tuple[int, ...] = ()
@@ -131,7 +132,7 @@ class _Steps:
         step_id = len(self.steps)
         self.steps.append(
             _step(step_id, action, w.worker_id, w.node, w.gpu_ids, role, ordered, duration_s,
-                  start_s, reason)
+                  start_s, reason, gpu_type)
         )  # fmt: skip
         self.end_s.append(start_s + duration_s)
         return step_id
@@ -148,6 +149,7 @@ def _step(
     duration_s: float,
     start_s: float,
     reason: str,
+    gpu_type: str,
 ) -> PlanStep:
     """``PlanStep(...)`` without the frozen ``__init__``'s cost (a frozen dataclass's
     fields live in its ``__dict__``): a third of the time, which counts with tens of
@@ -164,6 +166,7 @@ def _step(
     fields["duration_s"] = duration_s
     fields["start_s"] = start_s
     fields["reason"] = reason
+    fields["gpu_type"] = gpu_type
     return step
 
 
@@ -201,7 +204,8 @@ def build_steps(ctx: PlanContext, d: WorkerDecisions, placement: Placement) -> _
     for wid in sorted(d.wake):
         w, role = workers[wid], d.wake[wid]
         deps = [offload_at[g] for g in w.gpu_ids if g in offload_at]
-        i = s.add(Action.WAKE, w, role, deps, c.wake_s, f"reuse asleep engine as {role.value}")
+        why = f"reuse asleep engine as {role.value}"
+        i = s.add(Action.WAKE, w, role, deps, c.wake_s, why, ctx.gpu_type(w))
         if is_stale(ctx, w):
             why = f"weights v{w.weights_version} < policy v{ctx.state.policy_version}"
             s.add(Action.SYNC_WEIGHTS, w, None, (i,), c.weight_sync_s, why)
@@ -224,7 +228,8 @@ def _add_starts(
         deps += [released_at[v] for v in p.after_workers]
         if p.spec not in why:
             why[p.spec] = f"new {p.spec.label()}"
-        s.add(Action.START, w, p.spec.role, deps, ctx.costs.engine_cold_start_s, why[p.spec])
+        cold_s = ctx.costs.engine_cold_start_s
+        s.add(Action.START, w, p.spec.role, deps, cold_s, why[p.spec], p.spec.gpu_type)
 
 
 def _new_worker_id(node: str, first_gpu_id: str, taken: set[str]) -> str:
