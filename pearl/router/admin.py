@@ -1,7 +1,8 @@
 """The router's admin routes, mounted by the front (``pearl.router.front``):
 
 - ``POST /pearl/plan_steps``: one phase of one plan step (``pearl.router.plan_steps.
-  StepUpdate``: ``{phase: "start"|"end", action, worker_id, role, url, ok}``), applied to
+  StepUpdate``: ``{phase: "start"|"end", action, worker_id, role, url, ok, gpu_type,
+  tp}``), applied to
   the instance table; 200 ``{"applied": EFFECT or null, "note": ...}``. A body that is not
   such an update is a 400 in vLLM's error shape, ``param`` naming the field (the front's
   handler for the fields' own checks; here for an update that cannot be applied, such as
@@ -10,7 +11,8 @@
   state dropped (an engine that died, an agent gone): out of the table at once; 200
   ``{"removed": [...]}`` (those the table had).
 - ``GET /pearl/instances``: the table, ``{"instances": [{worker_id, url, role, phase,
-  in_flight}, ...]}``.
+  in_flight, gpu_type, tp}, ...]}`` (``gpu_type`` and ``tp`` null where no plan step said
+  them).
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ def admin_routes(steps: PlanSteps) -> APIRouter:
                         "role": i.role.value,
                         "phase": i.phase.value,
                         "in_flight": i.load,
+                        "gpu_type": i.gpu_type,
+                        "tp": i.tp,
                     }
                     for i in steps.table
                 ]

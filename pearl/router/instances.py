@@ -47,6 +47,12 @@ class Instance:
     role: Role
     phase: Phase = Phase.STARTING
     engine: EngineProfile | None = None
+    gpu_type: str | None = None  # what it runs on, as the plan step that started it says
+    tp: int | None = None
+    # its busy time per turn of the traffic's mean shape, and the contexts of that shape
+    # its KV cache holds (``Router.weigh``); None: not known (no profile, or no GPU type)
+    turn_s: float | None = None
+    kv_slots: int | None = None
     in_flight: dict[str, InFlight] = field(default_factory=dict)
     scraped_waiting: int = 0  # vllm:num_requests_waiting at the last scrape
     scraped_running: int = 0
@@ -74,17 +80,6 @@ class Instance:
     def slots(self) -> int | None:
         """Requests it runs at once, from its engine profile (None without one)."""
         return self.engine.max_num_seqs if self.engine is not None else None
-
-    @property
-    def kv_slots(self) -> int | None:
-        """Not known to the router (vLLM reports its KV size as vllm:cache_config_info,
-        which the router does not read yet)."""
-        return None
-
-    @property
-    def turn_s(self) -> float | None:
-        """Not known to the router (it has no workload means): loads compare as counts."""
-        return None
 
     # -- bookkeeping -------------------------------------------------------------------
 
@@ -162,13 +157,25 @@ class InstanceTable:
     # -- plan steps --------------------------------------------------------------------
 
     def add(
-        self, worker_id: str, url: str, role: Role, engine: EngineProfile | None = None
+        self,
+        worker_id: str,
+        url: str,
+        role: Role,
+        engine: EngineProfile | None = None,
+        gpu_type: str | None = None,
+        tp: int | None = None,
     ) -> Instance:
         """A started engine: known, but it takes traffic only once :meth:`ready`."""
         if worker_id in self._by_id:
             raise ValueError(f"instance {worker_id} is already in the router's table")
         inst = self._by_id[worker_id] = Instance(
-            worker_id, url.rstrip("/"), role, engine=engine, weight_version=self.published_version
+            worker_id,
+            url.rstrip("/"),
+            role,
+            engine=engine,
+            gpu_type=gpu_type,
+            tp=tp,
+            weight_version=self.published_version,
         )
         return inst
 

@@ -39,7 +39,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    field_validator,
+)
 
 from pearl.control.messages import ControlAction
 from pearl.core.execution import STEP_EFFECTS, StepEffect
@@ -83,6 +91,8 @@ class Applied:
 _ACTIONS: dict[str, Action | ControlAction] = {a.value: a for a in (*Action, *ControlAction)}
 MAX_WORKER_ID_CHARS = 256
 MAX_URL_CHARS = 2048
+MAX_GPU_TYPE_CHARS = 64
+MAX_TP = 64
 
 
 class StepUpdate(BaseModel):
@@ -95,6 +105,9 @@ class StepUpdate(BaseModel):
     role: Role | None = None  # the role after the step (start, wake, switch)
     url: StrictStr | None = Field(None, max_length=MAX_URL_CHARS)  # from its agent's ack
     ok: StrictBool = True  # at the end: whether the step succeeded
+    # what the engine runs on (start, wake): the router weighs its load by its speed
+    gpu_type: StrictStr | None = Field(None, min_length=1, max_length=MAX_GPU_TYPE_CHARS)
+    tp: StrictInt | None = Field(None, ge=1, le=MAX_TP)
 
     @field_validator("action", mode="before")
     @classmethod
@@ -157,7 +170,15 @@ class PlanSteps:
         assert isinstance(update.action, Action)
         if update.phase == "start":
             return self.start(update.action, update.worker_id)
-        return self.end(update.action, update.worker_id, update.role, update.url, update.ok)
+        return self.end(
+            update.action,
+            update.worker_id,
+            update.role,
+            update.url,
+            update.ok,
+            update.gpu_type,
+            update.tp,
+        )
 
     # -- the phases of a step ------------------------------------------------------------
 
@@ -191,9 +212,12 @@ class PlanSteps:
         role: Role | None = None,
         url: str | None = None,
         ok: bool = True,
+        gpu_type: str | None = None,
+        tp: int | None = None,
     ) -> Applied:
         """``action``'s step on ``worker_id`` has ended (``ok`` or not); ``role`` is the
-        step's, ``url`` the engine's its agent reported (start, wake)."""
+        step's, ``url`` the engine's its agent reported (start, wake), ``gpu_type`` and
+        ``tp`` what it runs on (start, wake; the router weighs its load by them)."""
         effect = effect_of(action, "end")
         if not ok and effect_of(action, "start") in ROUTER_EFFECTS:
             # the step did not happen (the coordinator's state keeps the worker as it
@@ -214,11 +238,13 @@ class PlanSteps:
             if url is not None:
                 inst.url = url.rstrip("/")
             self.table.switch(worker_id, role)
+            self.router.describe(worker_id, gpu_type, tp)  # its role's weight
             return Applied(effect, f"ready as {role.value}")
         if url is None:
             log.warning("plan step %s of %s: no URL to route to, ignored", action, worker_id)
             return Applied(None, f"{worker_id} has no URL")
         self.table.add(worker_id, url, role)
+        self.router.describe(worker_id, gpu_type, tp)
         self.table.ready(worker_id)
         return Applied(effect, f"added and ready as {role.value}")
 
@@ -233,8 +259,11 @@ class PlanSteps:
             if left is None:
                 log.warning("abort_drain of %s: not in the router's table, ignored", worker_id)
                 return Applied(None, f"{worker_id} is not in the router's table")
-            back = self.table.add(worker_id, left.url, left.role, engine=left.engine)
+            back = self.table.add(
+                worker_id, left.url, left.role, left.engine, left.gpu_type, left.tp
+            )
             back.weight_version = left.weight_version  # it may have slept through a publish
+            self.router.weigh(back)
         self.table.ready(worker_id)
         return Applied(StepEffect.JOIN, "ready again in its old role")
 

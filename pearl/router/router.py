@@ -25,6 +25,14 @@ pools) frees its held KV and the turn is routed again. An instance
 that does not answer is skipped for that turn, which is routed again. Tries that bring no
 token back the router backs off from (exponentially, up to 0.5 s), and gives the turn up
 (``TurnFailed``) after ``MAX_FUTILE_TRIES`` of them in a row.
+
+**Unequal instances.** With a runtime profile (``Router(profile=...)``) and each instance's
+GPU type and TP degree (the plan step that started or woke it says them), the router
+weighs each instance's load by its busy time per turn of the traffic's mean shape
+(``Router.weigh``: ``pearl.serving.routing.turn_work_s`` on the means of the turns it has
+routed, ``pearl.serving.traffic``, the profile's until it has seen enough), the rule the
+simulator's fleet follows: an instance that turns the workload five times faster takes
+about five times the turns. Without them loads compare as counts.
 """
 
 from __future__ import annotations
@@ -36,11 +44,20 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pearl.core.profile import EngineProfile
+from pearl.core.profile import EngineProfile, RuntimeProfile, WorkloadDefaults
 from pearl.core.roles import Role
 from pearl.engines.client import EngineClient, EngineError, EngineUnreachable
 from pearl.router.instances import InFlight, Instance, InstanceTable
-from pearl.serving.routing import candidates, least_loaded, route_decode, route_turn
+from pearl.serving.routing import (
+    candidates,
+    kv_slots,
+    least_loaded,
+    mean_context_tokens,
+    route_decode,
+    route_turn,
+    turn_work_s,
+)
+from pearl.serving.traffic import TrafficMeans
 from pearl.serving.views import full
 
 PREFILL_PARAMS: dict[str, Any] = {
@@ -102,6 +119,7 @@ class TurnFailed(RuntimeError):
 
 
 MAX_FUTILE_TRIES = 50
+REWEIGH_EVERY_TURNS = 64  # finished turns between two updates of the instances' weights
 CONTROL_TIMEOUT_S = 30.0  # an abort's or a scrape's answer
 BACKOFF_S = (0.01, 0.5)  # the first wait after a futile try, and the longest
 
@@ -112,11 +130,15 @@ class Router:
         table: InstanceTable | None = None,
         *,
         engine: EngineProfile | None = None,
+        profile: RuntimeProfile | None = None,
         max_seqs_per_instance: int = 64,
         timeout_s: float = 600.0,
     ) -> None:
         self.table = table or InstanceTable()
         self.engine = engine
+        self.profile = profile  # weighs unequal instances (the module docstring)
+        self.traffic = TrafficMeans()
+        self._context: dict[str, int] = {}  # traj -> its context after its last turn
         self.max_seqs_per_instance = max_seqs_per_instance
         self.timeout_s = timeout_s
         self.home: dict[str, tuple[str, int]] = {}  # traj -> (instance, cached prefix tokens)
@@ -152,6 +174,46 @@ class Router:
     def forget(self, traj_id: str) -> None:
         """The trajectory has ended: its home is not needed any more."""
         self.home.pop(traj_id, None)
+        self._context.pop(traj_id, None)
+
+    # -- unequal instances ---------------------------------------------------------------
+
+    def workload(self) -> WorkloadDefaults | None:
+        """The traffic's mean shape (the profile's until enough turns); None: no profile."""
+        if self.profile is None:
+            return None
+        return self.traffic.workload(self.profile.workload)
+
+    def describe(self, worker_id: str, gpu_type: str | None, tp: int | None) -> None:
+        """What ``worker_id`` runs on (a plan step says it): its engine profile, if the
+        router has none for it yet, and its weight (``weigh``)."""
+        inst = self.table.get(worker_id)
+        if gpu_type is not None:
+            inst.gpu_type = gpu_type
+        if tp is not None:
+            inst.tp = tp
+        if inst.engine is None and self.profile is not None and inst.gpu_type and inst.tp:
+            inst.engine = self.profile.engine(inst.gpu_type, inst.tp)
+        self.weigh(inst)
+
+    def weigh(self, inst: Instance, workload: WorkloadDefaults | None = None) -> None:
+        """``inst``'s busy time per turn of the traffic's mean shape and the contexts of
+        that shape its KV cache holds, as the simulator's fleet computes them (None where
+        the profile, its GPU type or its engine is not known)."""
+        workload = workload or self.workload()
+        if workload is None or inst.engine is None or not inst.gpu_type or not inst.tp:
+            inst.turn_s = inst.kv_slots = None
+            return
+        assert self.profile is not None
+        capacity = self.profile.kv_capacity_tokens(inst.gpu_type, inst.tp)
+        inst.kv_slots = kv_slots(capacity, mean_context_tokens(workload))
+        inst.turn_s = turn_work_s(inst.engine, inst.role, workload, inst.kv_slots)
+
+    def reweigh(self) -> None:
+        """Every instance weighed again on the traffic's means as they are now."""
+        workload = self.workload()
+        for inst in self.table:
+            self.weigh(inst, workload)
 
     # -- routing -----------------------------------------------------------------------
 
@@ -249,6 +311,7 @@ class Router:
         out = TurnOutput(started_s=time.monotonic())
         skip: set[str] = set()
         futile = 0
+        self.traffic.turn_routed(len(turn.prompt_ids), self._context.get(turn.traj_id))
         while True:
             prompt = [*turn.prompt_ids, *out.token_ids]
             left = turn.sampling.max_tokens - len(out.token_ids)
@@ -281,6 +344,10 @@ class Router:
             out.ended_s = time.monotonic()
             self._output_tokens_sum += len(out.token_ids)
             self._output_turns += 1
+            self._context[turn.traj_id] = len(turn.prompt_ids) + len(out.token_ids)
+            self.traffic.turn_finished(len(out.token_ids))
+            if self.profile is not None and self._output_turns % REWEIGH_EVERY_TURNS == 0:
+                self.reweigh()
             return out
 
     async def _disaggregated(

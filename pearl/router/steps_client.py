@@ -78,7 +78,7 @@ class RouterSteps:
     def _step(self, step: PlanStep, phase: StepPhase, url: str | None, ok: bool) -> None:
         if not concerns_router(step.action, phase):
             return
-        body = {
+        body: dict[str, Any] = {
             "phase": phase,
             "action": step.action.value,
             "worker_id": step.worker_id,
@@ -86,6 +86,8 @@ class RouterSteps:
             "url": url,
             "ok": ok,
         }
+        if step.gpu_type:  # an engine that joins: what it runs on, the router weighs it by
+            body |= {"gpu_type": step.gpu_type, "tp": len(step.gpu_ids)}
         self.post(body)
 
     def post(self, body: dict[str, Any], url: str | None = None) -> dict[str, Any] | None:

@@ -377,8 +377,11 @@ class RouterListener:
         self._on_loop(lambda: self.steps.start(step.action, step.worker_id))
 
     def step_ended(self, step: PlanStep, result: PlanStepResult) -> None:
+        gpu_type, tp = step.gpu_type or None, len(step.gpu_ids) if step.gpu_type else None
         self._on_loop(
-            lambda: self.steps.end(step.action, step.worker_id, step.role, result.url, result.ok)
+            lambda: self.steps.end(
+                step.action, step.worker_id, step.role, result.url, result.ok, gpu_type, tp
+            )
         )
 
     def drain_undone(self, step: PlanStep, result: PlanStepResult) -> None:

@@ -187,6 +187,8 @@ async def coordinator_running(
     base = base or Path.cwd()  # the folder the config's relative paths start from
     cfg = coordinator_config(config, run_dir, model)
     profile = cluster_profile(config, base) if slurm else load_profile(c.profile)
+    router.profile = profile  # weighs unequal instances (docs/router.md); not the calibrated
+    # one: the calibration scales every engine alike, so the weights' ratios do not change
     slots = [f"{TRAINER_NODE}/{i}" for i in range(c.trainer_slots)]
     slots += [f"{ROLLOUT_NODE}/{i}" for i in range(c.rollout_slots)]
     if not slurm:  # LocalBackend's grants; on Slurm, the elastic nodes' agents run theirs

@@ -320,7 +320,8 @@ def test_lost_workers_leave_the_table_at_once_and_a_leave_under_way_ends() -> No
 
 
 def _step(sid: int, action: Action, worker: str, role: Role | None = None) -> PlanStep:
-    return PlanStep(sid, action, worker, "n0", ("n0/0",), role, (), 1.0, 0.0, "test")
+    gpu_type = "h800" if action in (A.START, A.WAKE) else ""  # as the planner says it
+    return PlanStep(sid, action, worker, "n0", ("n0/0",), role, (), 1.0, 0.0, "test", gpu_type)
 
 
 def _ok(sid: int, url: str | None = None) -> PlanStepResult:
@@ -373,6 +374,8 @@ def test_the_listener_moves_a_running_fronts_table_while_trajectories_flow(
                 "role": "colocated",
                 "phase": "ready",
                 "in_flight": 0,
+                "gpu_type": "h800",
+                "tp": 1,
             }
         }
         records = [httpx.delete(f"{front.url}/sessions/s{i}").json() for i in range(4)]
@@ -397,6 +400,9 @@ BAD_BODIES = [
     ({"phase": "end", "action": "stop", "worker_id": "w", "ok": "yes"}, "ok"),
     ({"phase": "start", "action": "abort_drain", "worker_id": "w"}, "phase"),
     ({"phase": "start", "action": "drain", "worker_id": "w", "force": True}, "force"),
+    ({"phase": "end", "action": "start", "worker_id": "w", "gpu_type": ""}, "gpu_type"),
+    ({"phase": "end", "action": "start", "worker_id": "w", "tp": 0}, "tp"),
+    ({"phase": "end", "action": "start", "worker_id": "w", "tp": "4"}, "tp"),
     ([1, 2], "body"),
 ]
 
