@@ -263,7 +263,7 @@ class PlanSteps:
                 worker_id, left.url, left.role, left.engine, left.gpu_type, left.tp
             )
             back.weight_version = left.weight_version  # it may have slept through a publish
-            self.router.weigh(back)
+            self.router.reweigh()
         self.table.ready(worker_id)
         return Applied(StepEffect.JOIN, "ready again in its old role")
 
@@ -279,6 +279,7 @@ class PlanSteps:
                 out.append(wid)
         if out:
             log.warning("lost, out of the table: %s", ", ".join(out))
+            self.router.reweigh()
         return out
 
     async def settle(self) -> None:
@@ -309,6 +310,7 @@ class PlanSteps:
             if remove and inst.phase is Phase.DRAINING and self._holds(wid, inst):
                 self.table.remove(wid)
                 self._left[wid] = inst
+                self.router.reweigh()
 
         task = asyncio.get_running_loop().create_task(run())
         self._leaving[inst.worker_id] = task

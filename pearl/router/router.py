@@ -194,26 +194,20 @@ class Router:
             inst.tp = tp
         if inst.engine is None and self.profile is not None and inst.gpu_type and inst.tp:
             inst.engine = self.profile.engine(inst.gpu_type, inst.tp)
-        self.weigh(inst)
-
-    def weigh(self, inst: Instance, workload: WorkloadDefaults | None = None) -> None:
-        """``inst``'s busy time per turn of the traffic's mean shape and the contexts of
-        that shape its KV cache holds, as the simulator's fleet computes them (None where
-        the profile, its GPU type or its engine is not known)."""
-        workload = workload or self.workload()
-        if workload is None or inst.engine is None or not inst.gpu_type or not inst.tp:
-            inst.turn_s = inst.kv_slots = None
-            return
-        assert self.profile is not None
-        capacity = self.profile.kv_capacity_tokens(inst.gpu_type, inst.tp)
-        inst.kv_slots = kv_slots(capacity, mean_context_tokens(workload))
-        inst.turn_s = turn_work_s(inst.engine, inst.role, workload, inst.kv_slots)
+        self.reweigh()
 
     def reweigh(self) -> None:
-        """Every instance weighed again on the traffic's means as they are now."""
+        """Every instance weighed on the traffic's means as they are now: its busy time
+        per turn and the contexts its KV cache holds, as the simulator's fleet computes
+        them. Loads compare in one unit: while any instance cannot be weighed (no
+        profile, or no engine for what it runs on, or a GPU type no step named) none is
+        (``turn_s`` None: counts), rather than a count beside a time."""
         workload = self.workload()
         for inst in self.table:
-            self.weigh(inst, workload)
+            _weigh(inst, self.profile, workload)
+        if any(inst.turn_s is None for inst in self.table):
+            for inst in self.table:
+                inst.turn_s = None
 
     # -- routing -----------------------------------------------------------------------
 
@@ -449,3 +443,15 @@ class Router:
         while True:
             await self.scrape()
             await asyncio.sleep(interval_s)
+
+
+def _weigh(
+    inst: Instance, profile: RuntimeProfile | None, workload: WorkloadDefaults | None
+) -> None:
+    """``inst``'s ``kv_slots`` and ``turn_s`` (``Router.reweigh``); None where not known."""
+    if profile is None or workload is None or inst.engine is None or not inst.gpu_type:
+        inst.turn_s = inst.kv_slots = None
+        return
+    capacity = profile.kv_capacity_tokens(inst.gpu_type, inst.tp or 1)
+    inst.kv_slots = kv_slots(capacity, mean_context_tokens(workload))
+    inst.turn_s = turn_work_s(inst.engine, inst.role, workload, inst.kv_slots)

@@ -75,6 +75,20 @@ def test_without_a_profile_loads_compare_as_counts(qwen8b: RuntimeProfile) -> No
     assert set(_first_turns(router, 100).values()) == {20}
 
 
+def test_an_instance_the_profile_cannot_weigh_makes_every_load_a_count(
+    qwen8b: RuntimeProfile,
+) -> None:
+    """A GPU type the profile has no engine for: no instance is weighed (a count beside
+    a time would starve the one or the others), until it leaves."""
+    router = Router(profile=qwen8b)
+    steps = _fleet(router)
+    steps.end(Action.START, "x-0", Role.COLOCATED, "http://x-0:1", True, "x9000", 1)
+    assert all(inst.turn_s is None for inst in router.table)
+    assert set(_first_turns(router, 60).values()) == {10}
+    steps.lost(["x-0"])
+    assert all(inst.turn_s is not None for inst in router.table)
+
+
 def test_a_role_switch_weighs_the_instance_for_its_new_role(qwen8b: RuntimeProfile) -> None:
     router = Router(profile=qwen8b)
     steps = _fleet(router)
