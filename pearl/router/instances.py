@@ -49,10 +49,9 @@ class Instance:
     engine: EngineProfile | None = None
     gpu_type: str | None = None  # what it runs on, as the plan step that started it says
     tp: int | None = None
-    # its busy time per turn of the traffic's mean shape, and the contexts of that shape
-    # its KV cache holds (``Router.weigh``); None: not known (no profile, or no GPU type)
+    # its busy time per turn of the traffic's mean shape (``Router.reweigh``); None: not
+    # known (no profile, or no GPU type), loads compare as counts
     turn_s: float | None = None
-    kv_slots: int | None = None
     in_flight: dict[str, InFlight] = field(default_factory=dict)
     scraped_waiting: int = 0  # vllm:num_requests_waiting at the last scrape
     scraped_running: int = 0
@@ -80,6 +79,12 @@ class Instance:
     def slots(self) -> int | None:
         """Requests it runs at once, from its engine profile (None without one)."""
         return self.engine.max_num_seqs if self.engine is not None else None
+
+    @property
+    def kv_slots(self) -> int | None:
+        """Not known to the router (vLLM reports its KV size as vllm:cache_config_info,
+        which the router does not read yet)."""
+        return None
 
     # -- bookkeeping -------------------------------------------------------------------
 

@@ -238,7 +238,7 @@ class PlanSteps:
             if url is not None:
                 inst.url = url.rstrip("/")
             self.table.switch(worker_id, role)
-            self.router.describe(worker_id, gpu_type, tp)  # its role's weight
+            self.router.describe(worker_id, gpu_type, tp)  # weighed for its role
             return Applied(effect, f"ready as {role.value}")
         if url is None:
             log.warning("plan step %s of %s: no URL to route to, ignored", action, worker_id)

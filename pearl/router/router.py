@@ -29,7 +29,7 @@ token back the router backs off from (exponentially, up to 0.5 s), and gives the
 **Unequal instances.** With a runtime profile (``Router(profile=...)``) and each instance's
 GPU type and TP degree (the plan step that started or woke it says them), the router
 weighs each instance's load by its busy time per turn of the traffic's mean shape
-(``Router.weigh``: ``pearl.serving.routing.turn_work_s`` on the means of the turns it has
+(``Router.reweigh``: ``pearl.serving.routing.turn_work_s`` on the means of the turns it has
 routed, ``pearl.serving.traffic``, the profile's until it has seen enough), the rule the
 simulator's fleet follows: an instance that turns the workload five times faster takes
 about five times the turns. Without them loads compare as counts.
@@ -185,29 +185,26 @@ class Router:
         return self.traffic.workload(self.profile.workload)
 
     def describe(self, worker_id: str, gpu_type: str | None, tp: int | None) -> None:
-        """What ``worker_id`` runs on (a plan step says it): its engine profile, if the
-        router has none for it yet, and its weight (``weigh``)."""
+        """What ``worker_id`` runs on (a plan step says it), and every instance weighed
+        again (``reweigh``)."""
         inst = self.table.get(worker_id)
         if gpu_type is not None:
             inst.gpu_type = gpu_type
         if tp is not None:
             inst.tp = tp
-        if inst.engine is None and self.profile is not None and inst.gpu_type and inst.tp:
-            inst.engine = self.profile.engine(inst.gpu_type, inst.tp)
         self.reweigh()
 
     def reweigh(self) -> None:
-        """Every instance weighed on the traffic's means as they are now: its busy time
-        per turn and the contexts its KV cache holds, as the simulator's fleet computes
-        them. Loads compare in one unit: while any instance cannot be weighed (no
-        profile, or no engine for what it runs on, or a GPU type no step named) none is
-        (``turn_s`` None: counts), rather than a count beside a time."""
+        """Every instance's busy time per turn of the traffic's mean shape
+        (``Instance.turn_s``), as the simulator's fleet computes it, from the profile's
+        engine for what it runs on. Loads compare in one unit: while any instance cannot
+        be weighed (no profile, no engine for what it runs on, or a GPU type no step
+        named) none is (counts), rather than a count beside a time."""
         workload = self.workload()
-        for inst in self.table:
-            _weigh(inst, self.profile, workload)
-        if any(inst.turn_s is None for inst in self.table):
-            for inst in self.table:
-                inst.turn_s = None
+        weights = [_turn_s(inst, self.profile, workload) for inst in self.table]
+        known = all(w is not None for w in weights)
+        for inst, weight in zip(self.table, weights, strict=True):
+            inst.turn_s = weight if known else None
 
     # -- routing -----------------------------------------------------------------------
 
@@ -445,13 +442,19 @@ class Router:
             await asyncio.sleep(interval_s)
 
 
-def _weigh(
+def _turn_s(
     inst: Instance, profile: RuntimeProfile | None, workload: WorkloadDefaults | None
-) -> None:
-    """``inst``'s ``kv_slots`` and ``turn_s`` (``Router.reweigh``); None where not known."""
-    if profile is None or workload is None or inst.engine is None or not inst.gpu_type:
-        inst.turn_s = inst.kv_slots = None
-        return
-    capacity = profile.kv_capacity_tokens(inst.gpu_type, inst.tp or 1)
-    inst.kv_slots = kv_slots(capacity, mean_context_tokens(workload))
-    inst.turn_s = turn_work_s(inst.engine, inst.role, workload, inst.kv_slots)
+) -> float | None:
+    """``routing.turn_work_s`` of ``inst`` (``Router.reweigh``): its engine, or the
+    profile's for its GPU type and TP degree; its KV slots the profile's. Only the weight:
+    the router does not take the profile's ``max_num_seqs`` or KV capacity as the
+    instance's own (``full`` and crowded stay off without an engine given; docs/router.md
+    says why)."""
+    if profile is None or workload is None or not inst.gpu_type:
+        return None
+    tp = inst.tp or 1
+    engine = inst.engine or profile.engine(inst.gpu_type, tp)
+    if engine is None:
+        return None
+    kv = kv_slots(profile.kv_capacity_tokens(inst.gpu_type, tp), mean_context_tokens(workload))
+    return turn_work_s(engine, inst.role, workload, kv)

@@ -1,8 +1,8 @@
 """The HTTP router weighs unequal instances by their speed, as the simulator's fleet does.
 
 The plan step that starts (or wakes) an engine names its GPU type and TP degree; with a
-runtime profile the router takes the engine's profile from them and weighs its load by its
-busy time per turn of the traffic's mean shape (``pearl.serving.routing.turn_work_s``).
+runtime profile the router weighs its load by the busy time per turn of the traffic's mean
+shape on the profile's engine for them (``pearl.serving.routing.turn_work_s``).
 No engine is contacted here: routing is ``Router._choose`` over the table, each chosen
 turn booked in flight as ``Router._send`` books it.
 """
@@ -20,7 +20,7 @@ from pearl.io.documents import load_profile
 from pearl.router.instances import InFlight
 from pearl.router.plan_steps import PlanSteps
 from pearl.router.router import Router
-from pearl.serving.routing import turn_work_s
+from pearl.serving.routing import kv_slots, mean_context_tokens, turn_work_s
 from pearl.serving.traffic import MIN_SAMPLES, TrafficMeans
 
 PROMPT_TOKENS = 1749
@@ -58,7 +58,7 @@ def test_first_turns_go_to_unequal_instances_in_proportion_to_their_speed(
     _fleet(router)
     big = router.table.get("h800-0")
     small = router.table.get("h20-0")
-    assert big.engine == qwen8b.engine("h800", 4) and small.engine == qwen8b.engine("h20", 1)
+    assert (big.gpu_type, big.tp, small.gpu_type, small.tp) == ("h800", 4, "h20", 1)
     assert big.turn_s is not None and small.turn_s is not None
     assert small.turn_s > 3 * big.turn_s
     loads = _first_turns(router, 100)
@@ -101,10 +101,11 @@ def test_a_role_switch_weighs_the_instance_for_its_new_role(qwen8b: RuntimeProfi
 
     asyncio.run(switch())
     inst = router.table.get("h800-0")
-    assert inst.role is Role.DECODE and inst.engine == qwen8b.engine("h800", 4)
+    engine = qwen8b.engine("h800", 4)
     workload = router.workload()
-    assert workload is not None and inst.kv_slots is not None
-    assert inst.turn_s == turn_work_s(inst.engine, Role.DECODE, workload, inst.kv_slots)
+    assert inst.role is Role.DECODE and engine is not None and workload is not None
+    kv = kv_slots(qwen8b.kv_capacity_tokens("h800", 4), mean_context_tokens(workload))
+    assert inst.turn_s == turn_work_s(engine, Role.DECODE, workload, kv)
     assert inst.turn_s != colocated_s
 
 
