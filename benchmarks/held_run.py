@@ -28,7 +28,7 @@ def held_run(
             decisions.append(record)
 
     metrics = simulate(run_inputs(scenario, profile, seed), policy, sink)
-    ratios = [p / a for p, a in metrics.predictions if a > 0]
+    ratios = [p.predicted_s / p.actual_s for p in metrics.predictions if p.actual_s > 0]
     figures = {
         "traj_per_h": metrics.trajectories / (scenario.duration_s / 3600),
         "median_predicted_over_actual": float(np.median(ratios)) if ratios else None,

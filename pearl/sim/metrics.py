@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from pearl.rollout.ledger import RolloutTotals
+from pearl.sim.predictions import Prediction
 
 
 @dataclass
@@ -80,7 +81,7 @@ class RunMetrics:
     max_trainer_wait_s: float  # longest wait of the trainer for its lent GPUs
     decisions: int
     num_events: int
-    predictions: tuple[tuple[float, float], ...] = field(default=())  # (predicted, actual)
+    predictions: tuple[Prediction, ...] = field(default=())
     rollout: RolloutFigures = field(default_factory=lambda: RolloutFigures())
 
     @property

@@ -11,13 +11,23 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from typing import NamedTuple
+
+
+class Prediction(NamedTuple):
+    """One decision's predicted time, the time the run took, and when it was decided (the
+    time of its record in the run log)."""
+
+    predicted_s: float
+    actual_s: float
+    decided_s: float
 
 
 class PredictionLedger:
     def __init__(self) -> None:
         self._open: deque[tuple[float, int, float]] = deque()  # (t, last index, predicted)
         self._batch: list[tuple[float, float]] = []  # (t, predicted)
-        self.pairs: list[tuple[float, float]] = []  # (predicted s, actual s)
+        self.pairs: list[Prediction] = []
 
     def note(self, now_s: float, last_index: int, predicted_s: float) -> None:
         """A decision at ``now_s`` predicted ``predicted_s`` for trajectories 0..last."""
@@ -32,11 +42,11 @@ class PredictionLedger:
     def batch_ready(self, now_s: float) -> None:
         """The next batch is complete at ``now_s``: every open batch prediction resolves."""
         for t, predicted_s in self._batch:
-            self.pairs.append((predicted_s, now_s - t))
+            self.pairs.append(Prediction(predicted_s, now_s - t, t))
         self._batch.clear()
 
     def finished_below(self, now_s: float, index: int) -> None:
         """Every trajectory below ``index`` has finished by ``now_s``."""
         while self._open and self._open[0][1] < index:
             t, _, predicted_s = self._open.popleft()
-            self.pairs.append((predicted_s, now_s - t))
+            self.pairs.append(Prediction(predicted_s, now_s - t, t))

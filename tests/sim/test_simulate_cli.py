@@ -13,6 +13,7 @@ from pearl.bench.simulator import prediction_errors
 from pearl.cli.main import main
 from pearl.runlog.jsonl import ReadStats, read_records
 from pearl.sim.baselines import REPORTED
+from pearl.sim.predictions import Prediction
 from pearl.sim.report import runs_needed
 
 ENTRY_KEYS = {
@@ -134,17 +135,30 @@ def test_bench_predictor_reports_the_error_of_every_decision(
     assert 1 <= len(largest) <= min(3, result["n"])
     ape = [abs(x["predicted_s"] - x["actual_s"]) / x["actual_s"] for x in largest]
     assert ape == sorted(ape, reverse=True) and ape[0] >= result["mape"]
+    # each names its decision: the seed's run, and a time inside it
+    assert all(x["seed"] == 0 and 0 <= x["decided_s"] < 600 for x in largest)
 
 
 def test_a_decision_at_its_batchs_completion_is_excluded_from_the_error() -> None:
     """An actual time of 0 (the decision fell on the completion) has no relative error;
     counted in ``excluded``, it no longer makes the mean infinite."""
-    errors = prediction_errors([(2.0, 0.0), (2.0, 1.0), (3.0, 3.0)])
+    errors = prediction_errors(
+        [
+            (0, Prediction(2.0, 0.0, 5.0)),
+            (0, Prediction(2.0, 1.0, 9.0)),
+            (1, Prediction(3.0, 3.0, 4.0)),
+        ]
+    )
     assert (errors["n"], errors["excluded"]) == (2, 1)
     assert errors["mape"] == pytest.approx(0.5) and errors["median_ape"] == pytest.approx(0.5)
     assert errors["mean_ratio_predicted_to_actual"] == pytest.approx(1.5)
-    assert errors["largest"][0] == {"predicted_s": 2.0, "actual_s": 1.0}
-    assert prediction_errors([(1.0, 0.0)])["mape"] is None
+    assert errors["largest"][0] == {
+        "seed": 0,
+        "predicted_s": 2.0,
+        "actual_s": 1.0,
+        "decided_s": 9.0,
+    }
+    assert prediction_errors([(0, Prediction(1.0, 0.0, 2.0))])["mape"] is None
 
 
 def test_bench_sim_reports_speed(capsys: pytest.CaptureFixture[str]) -> None:
