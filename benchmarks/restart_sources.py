@@ -55,6 +55,8 @@ def run(scenario_name: str, policy: str, seed: int, duration_s: float) -> dict[s
     def counting(now_s: float, version: int) -> PastBoundOutcome:
         complete, incomplete = sources(ledger, version)
         outcome = updated(now_s, version)
+        # the split reads the ledger's past-bound test again: it must count what it took back
+        assert complete + incomplete == outcome.taken_back, (complete, incomplete, outcome)
         counts["complete_group"] += complete
         counts["incomplete_group"] += incomplete
         counts["interrupted"] += len(outcome.interrupted)
