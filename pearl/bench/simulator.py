@@ -4,10 +4,7 @@
 predictor's completion time of the work then unfinished (the in-flight trajectories plus
 those allowed to start) with the time the simulator took to finish that same set. The
 prediction is of the configuration running (or, when the decision switched, of the target
-plus the transition). ``mape`` is the mean of ``|predicted - actual| / actual``;
-``largest`` lists the decisions of the largest such errors, each with its seed and time
-(the decision record's in the run log): a decision a moment before its batch completes can
-carry a mean of relative errors alone.
+plus the transition); the figures are ``pearl.sim.predictions.prediction_errors``'s.
 
 ``bench_sim``: one pearl run at the scale of ``gpus`` (a quarter training, half base
 rollout, a quarter elastic synthetic windows, the batch scaled with the GPUs) for
@@ -23,20 +20,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from pearl.io.scenarios import load_scenario_and_profile
 from pearl.io.simulation import run_inputs
 from pearl.sim.baselines import make_policy
 from pearl.sim.engine_models import EngineModelName
-from pearl.sim.predictions import Prediction
+from pearl.sim.predictions import Prediction, prediction_errors
 from pearl.sim.runner import simulate
 from pearl.sim.scenario import Scenario
 
 SCALE_SCENARIO = Path(__file__).resolve().parents[2] / "benchmarks/scenarios/qwen3-8b.yaml"
-
-
-_LARGEST = 3  # decisions of the largest errors reported
 
 
 def bench_predictor(
@@ -55,30 +47,6 @@ def bench_predictor(
         "scenario": scenario.name,
         "seeds": seeds,
         "duration_s": scenario.duration_s,
-    }
-
-
-def prediction_errors(seeded: list[tuple[int, Prediction]]) -> dict[str, Any]:
-    """MAPE, median and mean ratio of the predicted and actual batch times of (seed,
-    prediction) pairs, and the decisions of the largest errors. A decision taken at the
-    instant its batch completed (actual 0 s) has no relative error: it is counted in
-    ``excluded``, not in the figures (one made the mean infinite on the 8B paper
-    scenario)."""
-    kept = [(seed, p) for seed, p in seeded if p.actual_s > 0]
-    predicted = np.array([p.predicted_s for _, p in kept])
-    actual = np.array([p.actual_s for _, p in kept])
-    ape = np.abs(predicted - actual) / actual
-    largest = [
-        {"seed": kept[i][0], **kept[i][1]._asdict()}
-        for i in np.argsort(-ape, kind="stable")[:_LARGEST]
-    ]
-    return {
-        "mape": float(np.mean(ape)) if kept else None,
-        "largest": largest,
-        "n": len(kept),
-        "excluded": len(seeded) - len(kept),
-        "median_ape": float(np.median(ape)) if kept else None,
-        "mean_ratio_predicted_to_actual": float(np.mean(predicted / actual)) if kept else None,
     }
 
 

@@ -1,9 +1,12 @@
 """``pearl simulate SCENARIO``: every policy on a scenario, a table, logs and a summary.
 
 Each (policy, seed) run writes its JSONL log to ``OUT/POLICY/seedN.jsonl`` (schema in
-``docs/log-schema.md``); ``OUT/summary.json`` holds the comparison and every run's
-metrics. With ``--json`` stdout carries one JSON object (the comparison) and nothing
-else; the progress bar goes to stderr.
+``docs/log-schema.md``); ``OUT/summary.json`` holds the comparison, every run's metrics
+and, when pearl ran, its predictor's error over its runs' decisions (``predictor``, the
+figures of ``pearl bench predictor`` on the same runs). The runs go in parallel over
+``--jobs`` processes (the machine's cores by default; each run is seeded, so the figures
+are the same whatever the processes). With ``--json`` stdout carries one JSON object (the
+comparison and the predictor's error) and nothing else; the progress bar goes to stderr.
 """
 
 from __future__ import annotations
@@ -11,9 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor, as_completed
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -28,6 +33,7 @@ from pearl.runlog.jsonl import RunLogWriter
 from pearl.sim.baselines import REPORTED, make_policy
 from pearl.sim.metrics import RunMetrics
 from pearl.sim.oracle import OracleBound, run_oracle_bound
+from pearl.sim.predictions import prediction_errors
 from pearl.sim.report import compare, runs_needed, table
 from pearl.sim.runner import RunInputs, simulate
 from pearl.sim.scenario import Scenario
@@ -48,6 +54,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--out", type=Path, default=None, help="output folder (runs/SCENARIO)")
     p.add_argument(
         "--duration-s", type=positive_seconds, default=None, help="override the simulated time"
+    )
+    p.add_argument(
+        "--jobs", type=integer(1, 1024), default=None, help="processes (default: the cores)"
     )
     p.add_argument("--json", action="store_true", help="print only the JSON comparison")
     p.set_defaults(run=run)
@@ -92,34 +101,27 @@ def run(args: argparse.Namespace) -> int:
         raise InputError("<command line>", "--seeds", "must be >= 1")
     out = args.out or Path("runs") / scenario.name
     names = runs_needed(policies)
+    jobs = args.jobs or os.cpu_count() or 1
     progress = Progress(len(names) * seeds)
-    runs: dict[str, list[RunMetrics]] = {n: [] for n in names}
-    oracle: list[OracleBound] = []
-    for seed in range(seeds):
-
-        def logged(name: str, inputs: RunInputs, seed: int = seed) -> RunMetrics:
-            policy = make_policy(name, scenario.policy, scenario.cluster.trainer.nodes)
-            label = f"{name} seed {seed}"
-            with RunLogWriter(out / name / f"seed{seed}.jsonl", truncate=True) as log:
-                metrics = simulate(inputs, policy, log.write, partial(progress.show, label))
-            progress.finish_run()
-            return metrics
-
-        metrics, bound = run_seed(scenario, profile, seed, names, logged)
-        for name in names:
-            runs[name].append(metrics[name])
-        oracle.append(bound)
+    if jobs == 1:
+        runs, oracle = _serially(scenario, profile, names, seeds, out, progress)
+    else:
+        runs, oracle = _in_parallel(scenario, profile, names, seeds, out, progress, jobs)
     comparison = compare(policies, runs, oracle, scenario.duration_s)
     result: dict[str, Any] = {
         "scenario": scenario.name,
         "policies": comparison,
     }
+    if "pearl" in runs:
+        seeded = [(m.seed, p) for m in runs["pearl"] for p in m.predictions]
+        result["predictor"] = prediction_errors(seeded)
     summary: dict[str, Any] = {
         **result,
         "duration_s": scenario.duration_s,
         "seeds": seeds,
         "runs": {n: [_run_entry(m) for m in ms] for n, ms in runs.items()},
         "oracle": [o.__dict__ for o in oracle],
+        "jobs": jobs,
     }
     out.mkdir(parents=True, exist_ok=True)
     text = json.dumps(finite_json(summary), indent=2, allow_nan=False)
@@ -132,6 +134,79 @@ def run(args: argparse.Namespace) -> int:
         print(table(comparison))
         print(f"logs and summary.json in {out}")
     return 0
+
+
+Runs = dict[str, list[RunMetrics]]  # policy -> its runs, by seed
+
+
+def logged_run(
+    scenario: Scenario,
+    profile: RuntimeProfile,
+    name: str,
+    seed: int,
+    log_path: Path,
+    on_progress: Callable[[float], None] | None = None,
+) -> RunMetrics:
+    """One policy's run of one seed, its log written to ``log_path``."""
+    policy = make_policy(name, scenario.policy, scenario.cluster.trainer.nodes)
+    inputs = run_inputs(scenario, profile, seed)
+    with RunLogWriter(log_path, truncate=True) as log:
+        return simulate(inputs, policy, log.write, on_progress)
+
+
+def oracle_bound(scenario: Scenario, profile: RuntimeProfile, seed: int) -> OracleBound:
+    return run_oracle_bound(run_inputs(scenario, profile, seed))
+
+
+def _serially(
+    scenario: Scenario,
+    profile: RuntimeProfile,
+    names: Sequence[str],
+    seeds: int,
+    out: Path,
+    progress: Progress,
+) -> tuple[Runs, list[OracleBound]]:
+    """Every run in this process, the bar moving within each."""
+    runs: Runs = {n: [] for n in names}
+    oracle: list[OracleBound] = []
+    for seed in range(seeds):
+        oracle.append(oracle_bound(scenario, profile, seed))
+        for name in names:
+            show = partial(progress.show, f"{name} seed {seed}")
+            log_path = out / name / f"seed{seed}.jsonl"
+            runs[name].append(logged_run(scenario, profile, name, seed, log_path, show))
+            progress.finish_run()
+    return runs, oracle
+
+
+def _in_parallel(
+    scenario: Scenario,
+    profile: RuntimeProfile,
+    names: Sequence[str],
+    seeds: int,
+    out: Path,
+    progress: Progress,
+    jobs: int,
+) -> tuple[Runs, list[OracleBound]]:
+    """Every (policy, seed) run and each seed's oracle bound as a task of a pool of
+    ``jobs`` processes; the bar moves as runs end."""
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        bounds = [pool.submit(oracle_bound, scenario, profile, seed) for seed in range(seeds)]
+        tasks: dict[Future[RunMetrics], tuple[str, int]] = {}
+        for seed in range(seeds):  # seed by seed: the first seed's runs end first
+            for name in names:
+                log_path = out / name / f"seed{seed}.jsonl"
+                future = pool.submit(logged_run, scenario, profile, name, seed, log_path)
+                tasks[future] = (name, seed)
+        done: dict[tuple[str, int], RunMetrics] = {}
+        for future in as_completed(tasks):
+            name, seed = tasks[future]
+            done[(name, seed)] = future.result()
+            progress.show(f"{name} seed {seed}", 0.0)
+            progress.finish_run()
+        oracle = [b.result() for b in bounds]
+    runs = {n: [done[(n, seed)] for seed in range(seeds)] for n in names}
+    return runs, oracle
 
 
 def run_seed(

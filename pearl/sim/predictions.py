@@ -5,13 +5,21 @@ took to reach what was predicted. In-order batches: to finish the same trajector
 those unfinished at the decision and those then allowed to start (trajectories start in
 order, so "all of them finished" is "every trajectory below an index finished").
 First-completed batches: until the trainer's next batch is complete (``batch_ready``).
+
+``prediction_errors`` sums up the pairs of one or more runs (``pearl bench predictor``,
+``pearl simulate``'s ``predictor`` entry): ``mape`` is the mean of ``|predicted - actual| /
+actual``, ``largest`` the decisions of the largest such errors, each with its seed and time
+(the decision record's in the run log): a decision a moment before its batch completes can
+carry a mean of relative errors alone.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
-from typing import NamedTuple
+from typing import Any, NamedTuple
+
+import numpy as np
 
 
 class Prediction(NamedTuple):
@@ -50,3 +58,30 @@ class PredictionLedger:
         while self._open and self._open[0][1] < index:
             t, _, predicted_s = self._open.popleft()
             self.pairs.append(Prediction(predicted_s, now_s - t, t))
+
+
+_LARGEST = 3  # decisions of the largest errors reported
+
+
+def prediction_errors(seeded: list[tuple[int, Prediction]]) -> dict[str, Any]:
+    """MAPE, median and mean ratio of the predicted and actual batch times of (seed,
+    prediction) pairs, and the decisions of the largest errors. A decision taken at the
+    instant its batch completed (actual 0 s) has no relative error: it is counted in
+    ``excluded``, not in the figures (one made the mean infinite on the 8B paper
+    scenario)."""
+    kept = [(seed, p) for seed, p in seeded if p.actual_s > 0]
+    predicted = np.array([p.predicted_s for _, p in kept])
+    actual = np.array([p.actual_s for _, p in kept])
+    ape = np.abs(predicted - actual) / actual
+    largest = [
+        {"seed": kept[i][0], **kept[i][1]._asdict()}
+        for i in np.argsort(-ape, kind="stable")[:_LARGEST]
+    ]
+    return {
+        "mape": float(np.mean(ape)) if kept else None,
+        "largest": largest,
+        "n": len(kept),
+        "excluded": len(seeded) - len(kept),
+        "median_ape": float(np.median(ape)) if kept else None,
+        "mean_ratio_predicted_to_actual": float(np.mean(predicted / actual)) if kept else None,
+    }

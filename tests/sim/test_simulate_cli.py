@@ -9,11 +9,10 @@ import pytest
 import sim_fixtures as F
 import yaml
 
-from pearl.bench.simulator import prediction_errors
 from pearl.cli.main import main
 from pearl.runlog.jsonl import ReadStats, read_records
 from pearl.sim.baselines import REPORTED
-from pearl.sim.predictions import Prediction
+from pearl.sim.predictions import Prediction, prediction_errors
 from pearl.sim.report import runs_needed
 
 ENTRY_KEYS = {
@@ -41,7 +40,7 @@ def test_simulate_json_summary_and_logs(tmp_path: Path, capsys: pytest.CaptureFi
     scenario = _scenario_file(tmp_path)
     out = tmp_path / "out"
     argv = ["simulate", str(scenario), "--seeds", "1", "--duration-s", "300"]
-    code = main([*argv, "--out", str(out), "--json"])
+    code = main([*argv, "--out", str(out), "--json", "--jobs", "2"])
     captured = capsys.readouterr()
     assert code == 0, captured.err
     lines = captured.out.strip().splitlines()
@@ -79,6 +78,15 @@ def test_simulate_json_summary_and_logs(tmp_path: Path, capsys: pytest.CaptureFi
         assert records[-1].type == "run_ended" and records[-1].t == 300.0
         finished = sum(1 for r in records if r.type == "trajectory_finished")
         assert finished == summary["runs"][name][0]["trajectories"]
+
+    # the same run in this process: the same figures, whatever the processes
+    alone = tmp_path / "alone"
+    assert main([*argv, "--out", str(alone), "--json", "--jobs", "1", "--policies", "pearl"]) == 0
+    serial = json.loads(capsys.readouterr().out)
+    assert serial["policies"]["pearl"] == result["policies"]["pearl"]
+    assert serial["predictor"] == result["predictor"] and result["predictor"]["n"] > 0
+    pearl_log = "pearl/seed0.jsonl"
+    assert (alone / pearl_log).read_bytes() == (out / pearl_log).read_bytes()
 
 
 def test_unknown_policy_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -137,6 +145,11 @@ def test_bench_predictor_reports_the_error_of_every_decision(
     assert ape == sorted(ape, reverse=True) and ape[0] >= result["mape"]
     # each names its decision: the seed's run, and a time inside it
     assert all(x["seed"] == 0 and 0 <= x["decided_s"] < 600 for x in largest)
+    # pearl simulate's predictor entry: the same figures from its own pearl runs
+    argv = ["simulate", str(scenario), "--seeds", "1", "--duration-s", "600", "--json"]
+    assert main([*argv, "--policies", "pearl", "--out", str(tmp_path / "sim")]) == 0
+    predictor = json.loads(capsys.readouterr().out)["predictor"]
+    assert predictor == {k: v for k, v in result.items() if k in predictor}
 
 
 def test_a_decision_at_its_batchs_completion_is_excluded_from_the_error() -> None:
