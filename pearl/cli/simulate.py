@@ -199,12 +199,16 @@ def _in_parallel(
                 future = pool.submit(logged_run, scenario, profile, name, seed, log_path)
                 tasks[future] = (name, seed)
         done: dict[tuple[str, int], RunMetrics] = {}
-        for future in as_completed(tasks):
-            name, seed = tasks[future]
-            done[(name, seed)] = future.result()
-            progress.show(f"{name} seed {seed}", 0.0)
-            progress.finish_run()
-        oracle = [b.result() for b in bounds]
+        try:
+            for future in as_completed(tasks):
+                name, seed = tasks[future]
+                done[(name, seed)] = future.result()
+                progress.show(f"{name} seed {seed}", 0.0)
+                progress.finish_run()
+            oracle = [b.result() for b in bounds]
+        except BaseException:  # a run failed (or ^C): the runs not started are not
+            pool.shutdown(cancel_futures=True)
+            raise
     runs = {n: [done[(n, seed)] for seed in range(seeds)] for n in names}
     return runs, oracle
 

@@ -37,6 +37,11 @@ class InputError(Exception):
         super().__init__(f"{one_line(str(path))}: {field or '(document)'}: {problem}")
         self.path, self.field, self.problem = str(path), field, problem
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        """Pickled whole, its line as it reads (a process pool's worker raises one to its
+        parent: ``pearl simulate --jobs``)."""
+        return _rebuilt, (type(self), str(self), self.path, self.field, self.problem)
+
     @classmethod
     def relayed(cls, message: str, by: str) -> InputError:
         """The ``InputError`` a peer answered with (a trainer's 400: its message already
@@ -44,6 +49,14 @@ class InputError(Exception):
         err = cls(by, "", message)
         Exception.__init__(err, one_line(message))
         return err
+
+
+def _rebuilt(
+    cls: type[InputError], message: str, path: str, field: str, problem: str
+) -> InputError:
+    err = cls(path, field, problem)
+    Exception.__init__(err, message)
+    return err
 
 
 def one_line(text: str) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pickle
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ import sim_fixtures as F
 import yaml
 
 from pearl.cli.main import main
+from pearl.io.documents import InputError
 from pearl.runlog.jsonl import ReadStats, read_records
 from pearl.sim.baselines import REPORTED
 from pearl.sim.predictions import Prediction, prediction_errors
@@ -126,6 +128,18 @@ def test_bad_numbers_on_the_command_line_exit_2(
     err = capsys.readouterr().err.strip().splitlines()
     assert refused.value.code == 2 and len(err) == 1 and flag in err[0]
     assert not (tmp_path / "out").exists()
+
+
+def test_an_input_error_crosses_a_process_pool_as_one_line() -> None:
+    """A run in a worker of ``pearl simulate --jobs`` that meets a bad input raises it to
+    the parent, which prints it (``tests/sim/test_data_files.py`` goes through the CLI)."""
+    for err in (
+        InputError("w.json", "prompt_tokens.values", "-3 is not > 0"),
+        InputError.relayed("t.yaml: steps: must be >= 1", by="trainer"),
+    ):
+        back = pickle.loads(pickle.dumps(err))
+        assert type(back) is InputError and str(back) == str(err)
+        assert (back.path, back.field, back.problem) == (err.path, err.field, err.problem)
 
 
 def test_bench_predictor_reports_the_error_of_every_decision(
