@@ -103,10 +103,7 @@ def run(args: argparse.Namespace) -> int:
     names = runs_needed(policies)
     jobs = args.jobs or os.cpu_count() or 1
     progress = Progress(len(names) * seeds)
-    if jobs == 1:
-        runs, oracle = _serially(scenario, profile, names, seeds, out, progress)
-    else:
-        runs, oracle = _in_parallel(scenario, profile, names, seeds, out, progress, jobs)
+    runs, oracle = run_all(scenario, profile, names, seeds, out, progress, jobs)
     comparison = compare(policies, runs, oracle, scenario.duration_s)
     result: dict[str, Any] = {
         "scenario": scenario.name,
@@ -158,28 +155,7 @@ def oracle_bound(scenario: Scenario, profile: RuntimeProfile, seed: int) -> Orac
     return run_oracle_bound(run_inputs(scenario, profile, seed))
 
 
-def _serially(
-    scenario: Scenario,
-    profile: RuntimeProfile,
-    names: Sequence[str],
-    seeds: int,
-    out: Path,
-    progress: Progress,
-) -> tuple[Runs, list[OracleBound]]:
-    """Every run in this process, the bar moving within each."""
-    runs: Runs = {n: [] for n in names}
-    oracle: list[OracleBound] = []
-    for seed in range(seeds):
-        oracle.append(oracle_bound(scenario, profile, seed))
-        for name in names:
-            show = partial(progress.show, f"{name} seed {seed}")
-            log_path = out / name / f"seed{seed}.jsonl"
-            runs[name].append(logged_run(scenario, profile, name, seed, log_path, show))
-            progress.finish_run()
-    return runs, oracle
-
-
-def _in_parallel(
+def run_all(
     scenario: Scenario,
     profile: RuntimeProfile,
     names: Sequence[str],
@@ -188,8 +164,20 @@ def _in_parallel(
     progress: Progress,
     jobs: int,
 ) -> tuple[Runs, list[OracleBound]]:
-    """Every (policy, seed) run and each seed's oracle bound as a task of a pool of
-    ``jobs`` processes; the bar moves as runs end."""
+    """Every (policy, seed) run and each seed's oracle bound: with one job in this process,
+    the bar moving within each run; else each a task of a pool of ``jobs`` processes, the
+    bar moving as runs end."""
+    if jobs == 1:
+        runs: Runs = {n: [] for n in names}
+        oracle: list[OracleBound] = []
+        for seed in range(seeds):
+            oracle.append(oracle_bound(scenario, profile, seed))
+            for name in names:
+                show = partial(progress.show, f"{name} seed {seed}")
+                log_path = out / name / f"seed{seed}.jsonl"
+                runs[name].append(logged_run(scenario, profile, name, seed, log_path, show))
+                progress.finish_run()
+        return runs, oracle
     with ProcessPoolExecutor(max_workers=jobs) as pool:
         bounds = [pool.submit(oracle_bound, scenario, profile, seed) for seed in range(seeds)]
         tasks: dict[Future[RunMetrics], tuple[str, int]] = {}
