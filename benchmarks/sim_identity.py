@@ -78,6 +78,8 @@ def run_all(out: Path, only: str | None) -> dict[str, float]:
                     "--out",
                     str(out / name),
                     "--json",
+                    "--jobs",  # in this process: its CPU time is the runs', and the
+                    "1",  # summary's ``jobs`` the reference's
                 ]
                 start_s = time.process_time()
                 with open(os.devnull, "w") as quiet, redirect_stdout(quiet), redirect_stderr(quiet):
