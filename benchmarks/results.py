@@ -168,8 +168,8 @@ def in_order_section(name: str, first_completed: dict[str, float]) -> list[str]:
     jobs = json.loads((out / "summary.json").read_text(encoding="utf-8"))["jobs"]
     lines = [
         f"Old semantics for comparison (`rollout.batching: in-order`, the rest as shipped; "
-        f"3 seeds, {sim.wall_s:.0f} s wall on {jobs} processes): batch b is trajectories b*B..(b+1)*B-1 and the "
-        "trainer waits for all of them.",
+        f"3 seeds, {sim.wall_s:.0f} s wall on {jobs} processes): batch b is trajectories "
+        "b*B..(b+1)*B-1 and the trainer waits for all of them.",
         "",
         "| policy | traj/h in-order | traj/h first-completed | of in-order oracle |",
         "|---|---|---|---|",
