@@ -1,7 +1,7 @@
 """Write docs/results.md: every shipped scenario with every policy, 3 seeds, and the
 predictor's error on the same runs' decisions.
 
-    .venv/bin/python benchmarks/results.py                # about 2 hours on 2 cores
+    .venv/bin/python benchmarks/results.py   # 150 min on 2 cores at ff02a4c (serial scenarios)
     .venv/bin/python benchmarks/results.py --notes-only   # the commentary alone
     .venv/bin/python benchmarks/results.py --dev-cluster PAIR_DIR   # pearl run on Slurm
 
