@@ -350,8 +350,17 @@ def test_a_bad_data_path_is_one_line_and_exit_2(
     assert str(path) in err[0] and field in err[0] and problem in err[0], err[0]
 
 
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["simulate", "--jobs", "1"],
+        ["simulate", "--jobs", "2"],  # read in a worker of the pool: the line crosses back
+        ["sweep", "--jobs", "2", "--vary", "seeds=1", "--duration-s", "60"],
+    ],
+    ids=["simulate-serial", "simulate-pool", "sweep-pool"],
+)
 def test_a_broken_shipped_style_file_reached_from_the_cli_exits_2(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    command: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     bad = tmp_path / "w.json"
     bad.write_text(json.dumps(_broken(_workload_doc(), "prompt_tokens.values", [100, -3])))
@@ -359,7 +368,7 @@ def test_a_broken_shipped_style_file_reached_from_the_cli_exits_2(
     doc["rollout"]["workload_file"] = "w.json"
     path = tmp_path / "s.yaml"
     path.write_text(yaml.safe_dump(doc), encoding="utf-8")
-    code = main(["simulate", str(path), "--out", str(tmp_path / "out")])
+    code = main([command[0], str(path), *command[1:], "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1
     assert str(bad) in err[0] and "prompt_tokens.values[1]" in err[0]
