@@ -52,6 +52,12 @@ def run_json(args: list[str]) -> Timed:
     return Timed(json.loads(out.stdout), time.perf_counter() - start, cpu_s)
 
 
+def jobs_of(out: Path) -> int:
+    """The processes a ``pearl simulate --out OUT`` ran on (its summary's ``jobs``)."""
+    summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
+    return int(summary["jobs"])
+
+
 def fmt(x: float | None, spec: str = ",.0f") -> str:
     return "n/a" if x is None else format(x, spec)
 
@@ -61,7 +67,7 @@ def scenario_section(name: str, rlboost_lead: float = 1.27, in_order: bool = Tru
     out = ROOT / "runs" / "results" / name
     sim = run_json(["simulate", path, "--json", "--out", str(out)])
     pol, pred = sim.result["policies"], sim.result["predictor"]
-    jobs = json.loads((out / "summary.json").read_text(encoding="utf-8"))["jobs"]
+    jobs = jobs_of(out)
     lines = [
         f"## {name}",
         "",
@@ -165,7 +171,7 @@ def in_order_section(name: str, first_completed: dict[str, float]) -> list[str]:
     variant.write_text(yaml.safe_dump(doc, sort_keys=False), encoding="utf-8")
     sim = run_json(["simulate", str(variant), "--json", "--out", str(out)])
     pol = sim.result["policies"]
-    jobs = json.loads((out / "summary.json").read_text(encoding="utf-8"))["jobs"]
+    jobs = jobs_of(out)
     lines = [
         f"Old semantics for comparison (`rollout.batching: in-order`, the rest as shipped; "
         f"3 seeds, {sim.wall_s:.0f} s wall on {jobs} processes): batch b is trajectories "

@@ -35,7 +35,7 @@ from pearl.sim.metrics import RunMetrics
 from pearl.sim.oracle import OracleBound, run_oracle_bound
 from pearl.sim.predictions import prediction_errors
 from pearl.sim.report import compare, runs_needed, table
-from pearl.sim.runner import RunInputs, simulate
+from pearl.sim.runner import simulate
 from pearl.sim.scenario import Scenario
 
 
@@ -194,7 +194,7 @@ def run_all(
                 progress.show(f"{name} seed {seed}", 0.0)
                 progress.finish_run()
             oracle = [b.result() for b in bounds]
-        except BaseException:  # a run failed (or ^C): the runs not started are not
+        except BaseException:  # a run failed (or ^C): cancel the runs not yet started
             pool.shutdown(cancel_futures=True)
             raise
     runs = {n: [done[(n, seed)] for seed in range(seeds)] for n in names}
@@ -202,23 +202,14 @@ def run_all(
 
 
 def run_seed(
-    scenario: Scenario,
-    profile: RuntimeProfile,
-    seed: int,
-    names: Sequence[str],
-    run_one: Callable[[str, RunInputs], RunMetrics] | None = None,
+    scenario: Scenario, profile: RuntimeProfile, seed: int, names: Sequence[str]
 ) -> tuple[dict[str, RunMetrics], OracleBound]:
-    """Every named policy's run of one seed (``run_one``: how a run is made; by default
-    without a log) and the oracle's bound on that seed's trajectories."""
+    """Every named policy's run of one seed, without logs (``pearl sweep``'s task), and the
+    oracle's bound on that seed's trajectories."""
     inputs = run_inputs(scenario, profile, seed)
-    bound = run_oracle_bound(inputs)
-    if run_one is None:
-
-        def run_one(name: str, inputs: RunInputs) -> RunMetrics:
-            policy = make_policy(name, scenario.policy, scenario.cluster.trainer.nodes)
-            return simulate(inputs, policy)
-
-    return {name: run_one(name, inputs) for name in names}, bound
+    nodes = scenario.cluster.trainer.nodes
+    runs = {name: simulate(inputs, make_policy(name, scenario.policy, nodes)) for name in names}
+    return runs, run_oracle_bound(inputs)
 
 
 def _run_entry(m: RunMetrics) -> dict[str, Any]:
